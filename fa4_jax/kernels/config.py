@@ -1,0 +1,75 @@
+"""Compile-time tile configuration of the SM90 forward kernel, derived from a FwdVariant.
+
+Tile sizes follow the FlashAttention-3/4 Hopper choices (GUIDE.md §6): the QK^T accumulator, the O
+accumulator and P (as the register A operand of the PV wgmma) must fit in the consumer warpgroups'
+240-register budget, and Q + `stages` x (K + V) tiles must fit in 227 KB of shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fa4_jax.variants import FwdVariant
+
+# Hopper allows 227 KB of dynamic shared memory per CTA.
+SM90_SMEM_BYTES = 227 * 1024
+# Registers per SM (64K 32-bit registers).
+SM90_REGS = 65536
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    head_dim: int
+    tile_m: int          # query rows per CTA: 64 per consumer warpgroup
+    tile_n: int          # keys per K/V pipeline stage
+    stages: int          # K/V pipeline depth
+    consumer_regs: int   # setmaxnreg for each consumer warpgroup
+    producer_regs: int   # setmaxnreg for the producer warpgroup
+    # With wide O accumulators (hd > 128), rescaling O right before the PV gemm that follows keeps
+    # fewer values live across the softmax (measured faster in FA3/FA4 for hd 192/256).
+    rescale_o_before_gemm: bool
+    # Named-barrier ping-pong between consumer warpgroups, so that one warpgroup's softmax overlaps
+    # the other's gemms. Pays off while the gemms are short relative to softmax (hd <= 128).
+    warpgroup_pingpong: bool
+
+    def __post_init__(self):
+        if self.tile_m % 64:
+            raise ValueError(f"tile_m must be a multiple of 64 (one wgmma M): {self.tile_m=}")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256]: {self.tile_n=}")
+        if self.head_dim % 16:
+            raise ValueError(f"head_dim must be a multiple of 16: {self.head_dim=}")
+        if self.smem_bytes > SM90_SMEM_BYTES:
+            raise ValueError(f"tiles need {self.smem_bytes=} > {SM90_SMEM_BYTES} bytes of smem")
+        threads = 128 * (self.num_consumer_wg + 1)
+        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs)
+        if regs > SM90_REGS or threads > 1024:
+            raise ValueError(f"register budget exceeded: {regs=} > {SM90_REGS}")
+
+    @property
+    def num_consumer_wg(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_consumer_wg + 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        elem = 2  # bf16 / fp16
+        q = self.tile_m * self.head_dim * elem  # O reuses Q's buffer in the epilogue
+        kv = 2 * self.stages * self.tile_n * self.head_dim * elem
+        return q + kv + 1024  # mbarriers + alignment slack
+
+    @classmethod
+    def for_variant(cls, v: FwdVariant) -> "Sm90FwdConfig":
+        hd = v.head_dim
+        if hd <= 64:
+            # Three consumer warpgroups: at hd 64 the softmax (exp) per tile is large relative to the
+            # gemms, so more rows per CTA amortise K/V loads and keep the tensor cores fed.
+            return cls(hd, 192, 128, 2, 160, 32, False, True)
+        if hd <= 128:
+            return cls(hd, 128, 128, 2, 240, 24, False, True)
+        if hd <= 192:
+            return cls(hd, 128, 112, 2, 240, 24, True, False)
+        return cls(hd, 128, 80, 2, 240, 24, True, False)

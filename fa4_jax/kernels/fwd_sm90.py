@@ -1,0 +1,397 @@
+"""FlashAttention forward kernel for Hopper (SM90), CuTe DSL. Build time only.
+
+Design (FlashAttention-3/4 on Hopper, see ../shared/FA4_NOTES.md and GUIDE.md §6):
+- Warp specialisation: warpgroup 0 is the producer (one warp issues TMA loads of Q once and of K/V
+  tiles through a `stages`-deep mbarrier pipeline); warpgroups 1..n are consumers, 64 query rows each,
+  issuing wgmma and doing the softmax in registers. setmaxnreg moves registers from producer to
+  consumers.
+- P never touches shared memory: the QK^T accumulator is converted in registers to the A operand of
+  the PV wgmma (register-sourced wgmma).
+- Intra-warpgroup overlap: in each step the consumer issues S = Q K_j^T and O += P_{j-1} V_{j-1}
+  back to back and runs the softmax of S_j while the PV gemm is still in flight.
+- Inter-warpgroup ping-pong (hd <= 128): named barriers make the consumer warpgroups take turns
+  issuing gemms, so one warpgroup's softmax (MUFU) overlaps the other's tensor-core work.
+- Softmax scale and log2(e) are folded into one FFMA before ex2 (`softmax_scale_log2`).
+- Causal tiles are issued longest first (reverse m-block order) to shorten the tail.
+- Epilogue: O is normalised, converted, written with stmatrix into Q's shared buffer (Q is dead by
+  then) and stored with one TMA bulk copy; LSE goes straight from registers to global memory.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from fa4_jax.kernels.config import Sm90FwdConfig
+from fa4_jax.kernels.mask import BlockRange, ScoreMask
+from fa4_jax.kernels.softmax import OnlineSoftmax
+from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, transpose_2d, wgmma
+
+# Named barrier ids. 0 is __syncthreads; the pipelines use mbarriers, not named barriers.
+_BAR_EPILOGUE = 1
+_BAR_PINGPONG_BASE = 2  # one per consumer warpgroup: 2, 3, 4
+
+
+class FlashAttentionForwardSm90:
+    """One compiled instance per FwdVariant; `__init__` holds compile-time configuration only."""
+
+    def __init__(self, cfg: Sm90FwdConfig, causal: bool):
+        self.cfg = cfg
+        self.causal = causal
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: layouts, TMA descriptors, grid, launch.
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mK: cute.Tensor,  # (b, s_k, h_k, d)
+        mV: cute.Tensor,  # (b, s_k, h_k, d)
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        dtype = mQ.element_type
+        if const_expr(not (dtype == mK.element_type == mV.element_type == mO.element_type)):
+            raise TypeError("q, k, v and o must share one dtype")
+        # (b, s, h, d) -> (s, d, h, b): tiles are (rows, head_dim) with head_dim contiguous.
+        mQ, mK, mV, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
+
+        nwg = cfg.num_consumer_wg
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (nwg, 1, 1), (64, cfg.tile_n),
+        )
+        # V tiles are (keys, head_dim) in smem; as the B operand of P @ V they are read transposed,
+        # i.e. MN-major, which wgmma supports for 16-bit types without a transpose pass.
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (nwg, 1, 1), (64, cfg.head_dim), a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cfg.head_dim), dtype
+        )
+        sQ_layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.head_dim), order=(0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages), order=(0, 1, 2))
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
+        kv_tile = cute.select(sKV_layout, mode=[0, 1])
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (cfg.tile_n, cfg.head_dim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (cfg.tile_n, cfg.head_dim), 1)
+        # O reuses Q's smem buffer and layout; the TMA unit clips rows past seqlen_q.
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, cfg.head_dim)
+        )
+        self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
+        self.kv_bytes = cute.size_in_bytes(dtype, kv_tile)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], cfg.tile_m)
+        # blockIdx.x (fastest) walks m-blocks of one (head, batch): consecutive CTAs share K/V in L2.
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            softmax_scale_log2, sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv,
+        ).launch(
+            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            block=[cfg.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side.
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom,
+        tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom,
+        tma_atom_O: cute.CopyAtom,
+        softmax_scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # TMA pipelines release with one elected thread per consumer warp.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * cfg.num_consumer_wg)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        m_idx, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        m_block = m_idx
+        if const_expr(self.causal):
+            # Longest-processing-time first: high m-blocks see the most keys.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_idx
+        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA: q heads share kv heads in groups
+        blocks = BlockRange(cfg.tile_m, cfg.tile_n, self.causal, seqlen_q, seqlen_k)
+        n_block_max = blocks.n_block_max(m_block)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                if n_block_max > 0:
+                    self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, softmax_scale_log2, blocks,
+                         m_block, head, batch, n_block_max, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
+        """Producer warp: Q once, then K_j / V_j from the last block down, in the order the
+        consumers use them (K_j is needed one step before V_j)."""
+        cfg = self.cfg
+        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        n_block = n_block_max - 1
+        pipe_k.producer_acquire(state)
+        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, state.index],
+                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
+        for i in cutlass.range(n_block_max - 1, unroll=1):
+            n_prev = n_block_max - 1 - i
+            prev = state.clone()
+            state.advance()
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(prev)
+            cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(prev))
+        pipe_v.producer_acquire(state)
+        cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
+                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
+
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, softmax_scale_log2, blocks: BlockRange,
+                m_block, head, batch, n_block_max, seqlen_q, seqlen_k):
+        cfg = self.cfg
+        dtype = sQ.element_type
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_2d(sV)))
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_O.fill(0.0)
+        s_shape = wg_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        mask = ScoreMask(cfg.tile_m, cfg.tile_n, self.causal, seqlen_q, seqlen_k, tScS)
+        softmax = OnlineSoftmax(softmax_scale_log2, cute.size(acc_as_mn(acc_O), mode=[0]))
+        softmax.row_max.fill(-Float32.inf)
+        softmax.row_sum.fill(0.0)
+        # Rescale factor carried to the next step when O is rescaled just before its PV gemm.
+        o_scale = cute.make_rmem_tensor(softmax.row_max.layout, Float32)
+        o_scale.fill(1.0)
+
+        if n_block_max > 0:
+            self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
+                          s_shape, pipe_q, pipe_k, pipe_v, mask, softmax, blocks, m_block,
+                          n_block_max, wg, dtype)
+
+        inv_sum = softmax.finalize()
+        OnlineSoftmax.rescale(acc_O, inv_sum)
+        self.epilogue(acc_O, softmax.row_sum, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, tidx,
+                      m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape,
+                 pipe_q, pipe_k, pipe_v, mask: ScoreMask, softmax: OnlineSoftmax, blocks: BlockRange,
+                 m_block, n_block_max, wg, dtype):
+        """All K/V blocks of one query tile, from the highest block index down (the first block
+        processed carries the seqlen_k boundary and, if causal, the diagonal)."""
+        cfg = self.cfg
+        if const_expr(cfg.warpgroup_pingpong):
+            if wg == 0:  # the first warpgroup goes first
+                cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE, number_of_threads=256)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+
+        # First block (highest index): S only; its PV gemm is issued in the next step.
+        n_block = n_block_max - 1
+        pipe_k.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=0)
+        pipe_k.consumer_release(state)
+        mask.apply(acc_S, m_block, n_block, seqlen=True, causal=self.causal)
+        softmax.step(acc_S, is_first=True)
+        tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
+
+        step = partial(self.step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
+                       tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, o_scale=o_scale,
+                       s_shape=s_shape, pipe_k=pipe_k, pipe_v=pipe_v, mask=mask, softmax=softmax,
+                       m_block=m_block, wg=wg, dtype=dtype)
+        n_unmasked = n_block_max - 1
+        if const_expr(self.causal):
+            n_causal_min = cutlass.min(blocks.n_block_causal_min(m_block), n_block_max - 1)
+            for i in cutlass.range(n_block_max - 1 - n_causal_min, unroll=1):
+                state = step(state, n_block_max - 2 - i, True)
+            n_unmasked = n_causal_min
+        for i in cutlass.range(n_unmasked, unroll=1):
+            state = step(state, n_unmasked - 1 - i, False)
+
+        # Last PV gemm, for the lowest block.
+        if const_expr(cfg.rescale_o_before_gemm):
+            OnlineSoftmax.rescale(acc_O, o_scale)
+        pipe_v.consumer_wait(state)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wait=0)
+        pipe_v.consumer_release(state)
+
+    @cute.jit
+    def step(self, state, n_block, masked: cutlass.Constexpr[bool], tiled_mma_qk, tiled_mma_pv,
+             tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape, pipe_k, pipe_v,
+             mask: ScoreMask, softmax: OnlineSoftmax, m_block, wg, dtype):
+        """One K/V block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax of
+        S_j overlapping the PV gemm. `state` points at block j+1's stage on entry."""
+        cfg = self.cfg
+        v_state = state.clone()
+        state.advance()
+        pipe_k.consumer_wait(state)
+        self._pingpong_wait(wg)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=-1)
+        if const_expr(cfg.rescale_o_before_gemm):
+            OnlineSoftmax.rescale(acc_O, o_scale)
+        pipe_v.consumer_wait(v_state)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], wait=-1)
+        self._pingpong_signal(wg)
+        warpgroup.wait_group(1)  # S_j ready; PV still running
+        pipe_k.consumer_release(state)
+        if const_expr(masked):
+            mask.apply(acc_S, m_block, n_block, seqlen=False, causal=True)
+        scale = softmax.step(acc_S, is_first=False)
+        warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
+        pipe_v.consumer_release(v_state)
+        tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
+        if const_expr(cfg.rescale_o_before_gemm):
+            o_scale.store(scale.load())
+        else:
+            OnlineSoftmax.rescale(acc_O, scale)
+        return state
+
+    @cute.jit
+    def _pingpong_wait(self, wg):
+        if const_expr(self.cfg.warpgroup_pingpong):
+            cute.arch.barrier(barrier_id=_BAR_PINGPONG_BASE + wg, number_of_threads=256)
+
+    @cute.jit
+    def _pingpong_signal(self, wg):
+        if const_expr(self.cfg.warpgroup_pingpong):
+            nxt = wg + 1
+            if nxt == self.cfg.num_consumer_wg:
+                nxt = 0
+            cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE + nxt, number_of_threads=256)
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head,
+                 batch, seqlen_q):
+        cfg = self.cfg
+        dtype = sO.element_type
+        n_consumer = 128 * cfg.num_consumer_wg
+
+        # LSE straight from registers: the thread holding column 0 of a row writes it.
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        tOcO = acc_as_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * cfg.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        rO = cute.make_rmem_tensor_like(acc_O, dtype)
+        rO.store(acc_O.load().to(dtype))
+        # sO aliases sQ: every consumer warpgroup must be done reading Q before anyone writes O.
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=n_consumer)
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+        # Generic-proxy smem writes must be made visible to the TMA (async proxy) before the store.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=n_consumer)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            # The CTA's smem must outlive the bulk copy's reads.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

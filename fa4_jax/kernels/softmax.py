@@ -1,0 +1,74 @@
+"""Online softmax over register-resident accumulator rows (FlashAttention style)."""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from fa4_jax.kernels.utils import acc_as_mn, quad_allreduce_max, quad_allreduce_sum, row_max, row_sum
+
+
+class OnlineSoftmax:
+    """Running row max / row sum for the rows this thread owns.
+
+    Scores arrive unscaled; `scale_log2` = softmax_scale * log2(e) folds the softmax scale and the
+    change of base into one FFMA per element, so every exponential is a single MUFU ex2.
+    `row_sum` is a per-thread partial (the quad's columns are summed once, in `finalize`): every
+    thread of a quad applies the same rescale factor, so partial sums stay consistent.
+    """
+
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    @cute.jit
+    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Turn scores into unnormalised probabilities in place; return the factor by which the
+        running output must be rescaled (exp2 of the max shift)."""
+        s_mn = acc_as_mn(acc_S)
+        scale = cute.make_rmem_tensor(self.row_max.layout, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row = s_mn[r, None].load()
+            prev = self.row_max[r]
+            init = -Float32.inf if const_expr(is_first) else prev
+            cur = quad_allreduce_max(row_max(row, init))
+            self.row_max[r] = cur
+            # A row masked so far has max -inf; exponentiate against 0 instead so that masked
+            # entries give exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
+            cur_safe = 0.0 if cur == -Float32.inf else cur
+            shift = cur_safe * self.scale_log2
+            p = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
+            s_mn[r, None].store(p)
+            if const_expr(is_first):
+                scale[r] = 1.0
+                self.row_sum[r] = row_sum(p, Float32(0.0))
+            else:
+                scale[r] = cute.math.exp2((prev - cur_safe) * self.scale_log2, fastmath=True)
+                self.row_sum[r] = row_sum(p, self.row_sum[r] * scale[r])
+        return scale
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        """Return 1/rowsum per row and overwrite `row_sum` with the natural-log LSE.
+
+        A row that saw no key (all masked) has sum 0: its output stays 0 and its LSE is -inf.
+        """
+        inv = cute.make_rmem_tensor(self.row_max.layout, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = quad_allreduce_sum(self.row_sum[r])
+            empty = total == 0.0 or total != total
+            inv[r] = cute.arch.rcp_approx(1.0 if empty else total)
+            lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+            self.row_sum[r] = -Float32.inf if empty else lse
+        return inv
+
+    @staticmethod
+    @cute.jit
+    def rescale(acc_O: cute.Tensor, scale: cute.Tensor):
+        o_mn = acc_as_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(scale)):
+            o_mn[r, None].store(o_mn[r, None].load() * scale[r])

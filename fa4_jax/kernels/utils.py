@@ -1,0 +1,121 @@
+"""Small device-side helpers shared by the forward kernels (CuTe DSL, build time only)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+
+def permute_modes(t: cute.Tensor, order: list[int]) -> cute.Tensor:
+    """A view of `t` with its modes reordered (no data movement)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
+
+
+def transpose_2d(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a (possibly swizzled) smem tensor, keeping the rest."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def _acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """SM90 wgmma accumulators are ((2 cols, 2 rows, N/8 col groups), MMA_M, MMA_N) per thread.
+
+    Returns a layout over the same registers indexed as (rows, cols) =
+    ((2 rows, MMA_M), (2 cols, N/8, MMA_N)), so that softmax and masking can walk rows.
+    """
+    natural = cute.make_layout(acc_layout.shape)  # logical coordinate -> register index order
+    s, d = natural.shape, natural.stride
+    rows = ((s[0][1], s[1]), (d[0][1], d[1]))
+    cols = ((s[0][0], s[0][2], s[2]), (d[0][0], d[0][2], d[2]))
+    mn = cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1]))
+    return cute.composition(acc_layout, mn)
+
+
+def acc_as_mn(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, _acc_mn_layout(acc.layout))
+
+
+@cute.jit
+def _acc_frag_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """Reinterpret a QK^T accumulator ((2,2,N/8),M,N) as the register A operand of the PV wgmma,
+    ((2,2,2), M, (N/16, N)): one A k-block (16 keys) is two adjacent 8-column accumulator groups.
+    This is what lets P stay in registers between the two gemms (no smem round trip)."""
+    div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    s, d = div.shape, div.stride
+    return cute.make_layout(
+        ((s[0][0], s[0][1], s[0][2][0]), s[1], (s[0][2][1], s[2])),
+        stride=((d[0][0], d[0][1], d[0][2][0]), d[1], (d[0][2][1], d[2])),
+    )
+
+
+def acc_as_frag_a(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, _acc_frag_a_layout(acc.layout))
+
+
+@cute.jit
+def wgmma(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool] = False,
+    wait: cutlass.Constexpr[int] = 0,
+):
+    """Issue one warpgroup gemm over all k-blocks, commit it, and optionally wait.
+
+    `wait` < 0 leaves the gemm in flight so the caller can overlap it with other work and retire it
+    later with `warpgroup.wait_group(n)`.
+    """
+    warpgroup.fence()
+    # A fresh atom per call: the ACCUMULATE field is mutated below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+@cute.jit
+def row_max(x: cute.TensorSSA, init: Float32) -> Float32:
+    """Max over one row's registers with four independent chains (ILP), then `init`."""
+    r = cute.make_rmem_tensor(x.shape, Float32)
+    r.store(x)
+    n = cute.size(x.shape)
+    acc = [r[i] for i in range(4)]
+    for i in cutlass.range_constexpr(4, n, 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = cute.arch.fmax(acc[j], r[i + j])
+    m = cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
+    return cute.arch.fmax(m, init)
+
+
+@cute.jit
+def row_sum(x: cute.TensorSSA, init: Float32) -> Float32:
+    """Sum over one row's registers with four independent chains (ILP), plus `init`."""
+    r = cute.make_rmem_tensor(x.shape, Float32)
+    r.store(x)
+    n = cute.size(x.shape)
+    acc = [r[i] for i in range(4)]
+    for i in cutlass.range_constexpr(4, n, 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = acc[j] + r[i + j]
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]) + init
+
+
+@cute.jit
+def quad_allreduce_max(v: Float32) -> Float32:
+    """The 4 threads of a quad hold one accumulator row between them."""
+    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1))
+    return cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2))
+
+
+@cute.jit
+def quad_allreduce_sum(v: Float32) -> Float32:
+    v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+    return v + cute.arch.shuffle_sync_bfly(v, offset=2)
