@@ -1,0 +1,60 @@
+"""Shared pytest setup: the `gpu` marker and its auto-skip.
+
+Tests marked `@pytest.mark.gpu` need a CUDA GPU of compute capability 9.x (Hopper) visible to jax: the
+only architecture the shipped kernels are built for. Everywhere else they are skipped with a reason
+that says what was found, so a CPU-only CI run stays green and fast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+GPU_MARKER = "gpu: needs a CUDA GPU of compute capability 9.x (Hopper) visible to jax; skipped elsewhere"
+
+
+def pytest_configure(config):
+    # Registered here rather than only in pyproject.toml so `--strict-markers` works whatever the
+    # packaging config says.
+    config.addinivalue_line("markers", GPU_MARKER)
+
+
+def _compute_capability(device) -> str | None:
+    cc = getattr(device, "compute_capability", None)
+    if cc:
+        return str(cc)
+    # Older/odd plugins without the attribute: fall back to the marketing name.
+    kind = str(getattr(device, "device_kind", ""))
+    if any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200")):
+        return "9.0"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_skip_reason() -> str | None:
+    """None when a Hopper GPU is visible to jax, else why the gpu tests are skipped."""
+    import jax  # imported lazily: a run without gpu tests should not pay for it
+
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # CPU-only jaxlib, or the CUDA plugin failed to initialise
+        return f"no CUDA GPU visible to jax (default backend {jax.default_backend()!r})"
+    if not devices:
+        return "no CUDA GPU visible to jax"
+    cc = _compute_capability(devices[0])
+    if cc is None or not cc.startswith("9."):
+        return f"needs compute capability 9.x (Hopper); found {devices[0].device_kind!r} cc={cc}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = hopper_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,423 @@
+"""FA4 Hopper kernel vs an fp32 oracle, on the GPU (every test here is `@pytest.mark.gpu`).
+
+Accuracy rule (FlashAttention's): with ref32 = attention of the fp32-upcast inputs computed in fp32,
+  max|ours - ref32| <= 2 * max|xla - ref32| + atol,
+where `xla` is fa4_jax's own XLA path on the same bf16/f16 inputs. The XLA path's error is the error any
+correct same-precision implementation is allowed, so the bound scales itself with dtype, head_dim and
+sequence length instead of needing a hand-tuned tolerance per case.
+
+The kernel must write every element of O and LSE. XLA allocates custom-call results itself, so a buffer
+cannot be pre-filled from JAX; instead each case (a) fills and frees NaN buffers of the outputs' sizes
+just before the call, which XLA's best-fit allocator tends to hand straight back, (b) requires no NaN
+anywhere and agreement with the reference everywhere, and (c) runs twice with fresh inputs, so a tile the
+kernel skipped would carry either NaN or the previous run's numbers and fail the comparison.
+
+Runtime on an H200: ~150 cases, each mostly one XLA compile; about 2-3 minutes in all.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import fa4_jax
+from fa4_jax.variants import FwdVariant, default_menu
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# --------------------------------------------------------------------------------------------------
+# fp32 oracle
+# --------------------------------------------------------------------------------------------------
+
+
+def ref32(q, k, v, *, causal: bool, softmax_scale: float):
+    """Attention of fp32-upcast inputs in fp32; returns (o (b,s_q,h_q,d) f32, lse (b,h_q,s_q) f32).
+
+    Written here rather than borrowed from fa4_jax.reference so that the oracle shares no code with the
+    implementation's own fallback path. Precision.HIGHEST because JAX's default f32 matmul on Hopper
+    may use TF32 (10-bit mantissa), which would make the oracle less precise than the bf16 kernel.
+    Rows with no visible key (causal, s_q > s_k) give O = 0 and LSE = -inf, as the contract says.
+    """
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    b, s_q, h_q, d = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    g = h_q // h_k  # query head j reads kv head j // g
+    qg = q.reshape(b, s_q, h_k, g, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=HIGHEST) * softmax_scale
+    if causal:
+        # Bottom-right aligned: query i sees keys j <= i + s_k - s_q.
+        visible = jnp.arange(s_k)[None, :] <= jnp.arange(s_q)[:, None] + (s_k - s_q)
+        s = jnp.where(visible, s, -jnp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # empty rows: exp(-inf - 0) = 0 instead of NaN
+    p = jnp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("bhgqk,bkhd->bhgqd", p, v, precision=HIGHEST) / jnp.where(l > 0, l, 1.0)
+    o = o.transpose(0, 3, 1, 2, 4).reshape(b, s_q, h_q, d)
+    lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m, -jnp.inf)
+    return o, lse.reshape(b, h_q, s_q)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def built_variants() -> frozenset:
+    from fa4_jax import _ffi
+
+    _ffi.register_targets()
+    variants = _ffi.compiled_variants()
+    if not variants:
+        pytest.fail(
+            "fa4_jax kernel library not found on a Hopper GPU host: build it (tools/build_inplace.py or "
+            f"pip install) or point FA4_JAX_LIBRARY at libfa4_jax.so; looked at {_ffi.library_path()}"
+        )
+    return variants
+
+
+def _variant(dtype_name: str, head_dim: int, causal: bool) -> FwdVariant:
+    return FwdVariant("sm90", dtype_name, head_dim, causal)
+
+
+def _require(built_variants, dtype_name, head_dim, causal):
+    v = _variant(dtype_name, head_dim, causal)
+    if v not in built_variants:
+        pytest.skip(f"{v.symbol} not in the built menu (FA4_JAX_VARIANTS narrowed the build)")
+
+
+def _inputs(seed, b, s_q, s_k, h_q, h_k, d, dtype):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    # Normal, never zeros: zeros would make every softmax uniform and hide indexing bugs.
+    q = jax.random.normal(kq, (b, s_q, h_q, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, s_k, h_k, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, s_k, h_k, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def _poison_allocator(*shapes_dtypes):
+    """Fill and free NaN buffers the size of the coming outputs (best effort; see module docstring)."""
+    bufs = [jnp.full(shape, jnp.nan, dtype) for shape, dtype in shapes_dtypes]
+    for buf in bufs:
+        buf.block_until_ready()
+    for buf in bufs:
+        buf.delete()
+
+
+@functools.lru_cache(maxsize=None)
+def _triple(causal: bool, softmax_scale: float | None):
+    """One jitted program computing ours, the same-precision XLA path and the fp32 oracle.
+
+    A single program per shape costs one XLA compile instead of three, which is most of the test time.
+    """
+    ours = functools.partial(
+        fa4_jax.attention, causal=causal, softmax_scale=softmax_scale, return_lse=True, implementation="fa4"
+    )
+    xla = functools.partial(
+        fa4_jax.attention, causal=causal, softmax_scale=softmax_scale, return_lse=True, implementation="xla"
+    )
+
+    def run(q, k, v):
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return ours(q, k, v), xla(q, k, v), ref32(q, k, v, causal=causal, softmax_scale=scale)
+
+    return jax.jit(run)
+
+
+# atol for O: 1e-3 x the output magnitude. It only matters where the XLA path is (nearly) exact, e.g.
+# s_k = 1 or rows that round identically; there the kernel's bf16/f16 rounding of P before the PV
+# matmul may still move O by a fraction of an output ulp. 1e-3 relative is ~1/4 of a bf16 ulp and
+# ~2 fp16 ulps, far below what a wrong tile, mask or scale produces (>= 1e-2 relative).
+O_ATOL_REL = 1e-3
+# atol for LSE (natural log, fp32): scores come from the same bf16/f16 inputs with fp32 accumulation in
+# both, so only summation order and ex2/lg2 approximations differ (~1e-5); 1e-3 leaves margin and stays
+# 30x below the shift from dropping one 128-key block at s_k = 4096 (~log(1 - 1/32) = 0.03).
+LSE_ATOL = 1e-3
+
+
+def check_against_reference(out_ours, out_xla, out_ref, *, what: str):
+    """Apply the accuracy rule to O and LSE; `what` names the case in failure messages."""
+    (o, lse), (o_x, lse_x), (o_r, lse_r) = (tuple(np.asarray(a, np.float32) for a in t)
+                                            for t in (out_ours, out_xla, out_ref))
+
+    assert o.shape == o_r.shape and lse.shape == lse_r.shape, f"{what}: shapes {o.shape=} {lse.shape=}"
+    assert np.isfinite(o).all(), f"{what}: O has {np.count_nonzero(~np.isfinite(o))} NaN/Inf entries"
+    assert not np.isnan(lse).any(), f"{what}: LSE has {np.count_nonzero(np.isnan(lse))} NaN entries"
+    assert np.isfinite(o_x).all() and not np.isnan(lse_x).any(), f"{what}: the XLA path itself gave NaN/Inf"
+
+    # Rows with no visible key: exactly O = 0 and LSE = -inf; every other row finite.
+    empty = np.isneginf(lse_r)  # (b, h_q, s_q)
+    assert np.array_equal(np.isneginf(lse), empty), (
+        f"{what}: LSE is -inf at {np.count_nonzero(np.isneginf(lse))} rows, reference at {np.count_nonzero(empty)}")
+    assert np.isfinite(lse[~empty]).all(), f"{what}: +inf in LSE"
+    if empty.any():
+        o_rows = o.transpose(0, 2, 1, 3)  # (b, h_q, s_q, d)
+        assert not o_rows[empty].any(), f"{what}: O != 0 in rows that see no key"
+
+    err = np.abs(o - o_r).max()
+    err_x = np.abs(o_x - o_r).max()
+    bound = 2 * err_x + O_ATOL_REL * np.abs(o_r).max() + 1e-6
+    where = np.unravel_index(np.argmax(np.abs(o - o_r)), o.shape)
+    assert err <= bound, f"{what}: max|O - ref32| = {err:.3g} at (b,s,h,d)={where} > bound {bound:.3g} (xla err {err_x:.3g})"
+
+    # The same rule per query row (max over head_dim), with atol = one ulp of the row's magnitude. The
+    # global max is set by the largest rows (early causal rows, where O ~ one row of V ~ 3), so alone it
+    # would let a wrong kv block in a long row (|O| ~ 0.05) pass. An emulation of an FA-style kernel (P
+    # rounded to bf16/f16 before PV, fp32 accumulation) used at most half of this bound on these shapes.
+    eps = float(jnp.finfo(out_ours[0].dtype).eps)
+    row_err = np.abs(o - o_r).max(-1)
+    row_bound = 2 * np.abs(o_x - o_r).max(-1) + eps * np.abs(o_r).max(-1) + 1e-6
+    bad = row_err > row_bound
+    if bad.any():
+        i = np.unravel_index(np.argmax(row_err / row_bound), row_err.shape)
+        raise AssertionError(
+            f"{what}: {np.count_nonzero(bad)} of {bad.size} rows over the per-row bound; worst (b,s,h)={i}: "
+            f"err {row_err[i]:.3g} > bound {row_bound[i]:.3g} (|ref row| max {np.abs(o_r[i]).max():.3g})")
+
+    if (~empty).any():
+        lerr = np.abs(lse[~empty] - lse_r[~empty]).max()
+        lerr_x = np.abs(lse_x[~empty] - lse_r[~empty]).max()
+        lbound = 2 * lerr_x + LSE_ATOL
+        assert lerr <= lbound, f"{what}: max|LSE - ref32| = {lerr:.3g} > bound {lbound:.3g} (xla err {lerr_x:.3g})"
+
+
+def run_case(built_variants, *, dtype_name, head_dim, causal, b, s_q, s_k, h_q, h_k, seed=0,
+             softmax_scale=None):
+    _require(built_variants, dtype_name, head_dim, causal)
+    dtype = DTYPES[dtype_name]
+    fn = _triple(causal, softmax_scale)
+    what = f"{dtype_name} hd{head_dim} causal={causal} b={b} s_q={s_q} s_k={s_k} h={h_q}/{h_k}"
+    # Twice with fresh inputs: a tile the kernel never writes would keep the first run's values.
+    for run in range(2):
+        q, k, v = _inputs(seed * 2 + run + 1, b, s_q, s_k, h_q, h_k, head_dim, dtype)
+        _poison_allocator(((b, s_q, h_q, head_dim), dtype), ((b, h_q, s_q), jnp.float32))
+        ours, xla, ref = fn(q, k, v)
+        check_against_reference(ours, xla, ref, what=f"{what} run {run}")
+        del ours, xla, ref
+
+
+# --------------------------------------------------------------------------------------------------
+# accuracy sweeps
+# --------------------------------------------------------------------------------------------------
+
+# Full dtype x head_dim x causal grid on two sizes: one ragged tile (129 = one full 128-row tile + 1),
+# one with several ragged kv blocks and GQA.
+GRID_SHAPES = {
+    "b2_s129_mha4": dict(b=2, s_q=129, s_k=129, h_q=4, h_k=4),
+    "b1_s1000_gqa8:2": dict(b=1, s_q=1000, s_k=1000, h_q=8, h_k=2),
+}
+
+
+@pytest.mark.parametrize("shape", list(GRID_SHAPES), ids=list(GRID_SHAPES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=[f"hd{d}" for d in HEAD_DIMS])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_dtype_headdim_grid(built_variants, dtype_name, head_dim, causal, shape):
+    run_case(built_variants, dtype_name=dtype_name, head_dim=head_dim, causal=causal, **GRID_SHAPES[shape])
+
+
+# Sequence-length sweep (bf16): tiny, odd, long, s_q != s_k both ways, decode-like, mostly-masked.
+SEQLENS = [
+    (1, 1),
+    (7, 7),
+    (4097, 4097),  # one past a tile boundary at length where the causal schedule matters
+    (128, 1000),   # s_q < s_k: causal rows see a long prefix
+    (1000, 128),   # s_q > s_k: causal leaves the first 872 rows empty
+    (1, 4097),     # decode-like
+    (4097, 7),     # almost every causal row empty
+    (333, 777),
+    (777, 333),
+]
+
+
+@pytest.mark.parametrize("s_q,s_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["hd64", "hd128", "hd256"])
+def test_seqlen_sweep(built_variants, head_dim, causal, s_q, s_k):
+    long = max(s_q, s_k) > 2048
+    run_case(built_variants, dtype_name="bf16", head_dim=head_dim, causal=causal,
+             b=1 if long else 2, s_q=s_q, s_k=s_k, h_q=4, h_k=2)
+
+
+@pytest.mark.parametrize("s_q,s_k", [(4097, 4097), (1000, 128), (1, 4097)], ids=["4097", "1000x128", "1x4097"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_seqlen_sweep_fp16(built_variants, causal, s_q, s_k):
+    run_case(built_variants, dtype_name="fp16", head_dim=128, causal=causal, b=1, s_q=s_q, s_k=s_k, h_q=4, h_k=2)
+
+
+# MHA, GQA 4:1, MQA, and ratios that are not powers of two (3:1, 5:1) or odd head counts.
+HEAD_CONFIGS = [(4, 4), (32, 8), (8, 1), (6, 2), (12, 4), (10, 2), (3, 3)]
+
+
+@pytest.mark.parametrize("h_q,h_k", HEAD_CONFIGS, ids=[f"h{a}:{b}" for a, b in HEAD_CONFIGS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["hd64", "hd128"])
+def test_head_configs(built_variants, head_dim, causal, h_q, h_k):
+    run_case(built_variants, dtype_name="bf16", head_dim=head_dim, causal=causal,
+             b=2, s_q=513, s_k=513, h_q=h_q, h_k=h_k)
+
+
+def test_head_configs_long_gqa(built_variants):
+    # GQA 32:8 with a long sequence: many CTAs per kv head, the layout a Llama-class model uses.
+    run_case(built_variants, dtype_name="bf16", head_dim=128, causal=True, b=1, s_q=2048, s_k=2048, h_q=32, h_k=8)
+
+
+@pytest.mark.parametrize("softmax_scale", [0.05, 0.5], ids=["scale0.05", "scale0.5"])
+def test_explicit_softmax_scale(built_variants, softmax_scale):
+    # 0.5 on hd128 makes the softmax peaky (logits ~ N(0, 5.6^2)): exercises the running-max rescale.
+    run_case(built_variants, dtype_name="bf16", head_dim=128, causal=True, b=1, s_q=700, s_k=900,
+             h_q=4, h_k=4, softmax_scale=softmax_scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# semantics
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("s_q,s_k", [(300, 100), (4097, 7), (129, 1)])
+def test_rows_without_keys(built_variants, s_q, s_k):
+    """Causal with s_q > s_k: the first s_q - s_k rows see no key -> exactly O = 0, LSE = -inf."""
+    _require(built_variants, "bf16", 128, True)
+    q, k, v = _inputs(7, 1, s_q, s_k, 4, 4, 128, jnp.bfloat16)
+    _poison_allocator(((1, s_q, 4, 128), jnp.bfloat16), ((1, 4, s_q), jnp.float32))
+    o, lse = jax.jit(functools.partial(fa4_jax.attention, causal=True, return_lse=True, implementation="fa4"))(q, k, v)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    n_empty = s_q - s_k
+    assert (o[:, :n_empty] == 0).all(), "O must be exactly 0 in rows that see no key"
+    assert np.isneginf(lse[:, :, :n_empty]).all(), "LSE must be -inf in rows that see no key"
+    assert np.isfinite(o[:, n_empty:]).all() and np.isfinite(lse[:, :, n_empty:]).all()
+    # The first visible row sees exactly key 0: O equals v[:, 0] (up to the softmax of one logit = 1).
+    np.testing.assert_allclose(o[:, n_empty], np.asarray(v[:, 0], np.float32), rtol=0, atol=1e-2)
+
+
+def test_default_implementation_is_fa4(built_variants):
+    """implementation=None on a Hopper GPU with the variant built must be the kernel, bit for bit."""
+    _require(built_variants, "bf16", 128, False)
+    q, k, v = _inputs(11, 1, 256, 256, 4, 4, 128, jnp.bfloat16)
+    default = jax.jit(functools.partial(fa4_jax.attention, return_lse=True))(q, k, v)
+    fa4 = jax.jit(functools.partial(fa4_jax.attention, return_lse=True, implementation="fa4"))(q, k, v)
+    # The forward kernel has no split-KV reduction, so it is deterministic: equality, not closeness.
+    for a, b in zip(default, fa4):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_jit_with_transposed_inputs(built_variants):
+    """Inputs produced by a transpose inside jit (XLA must hand the kernel row-major copies)."""
+    _require(built_variants, "bf16", 128, True)
+    q, k, v = _inputs(13, 2, 300, 300, 4, 2, 128, jnp.bfloat16)
+
+    @jax.jit
+    def f(qt, kt, vt):  # (b, h, s, d) -> (b, s, h, d)
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (qt, kt, vt))
+        ours = fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="fa4")
+        xla = fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="xla")
+        return ours, xla, ref32(q, k, v, causal=True, softmax_scale=1 / math.sqrt(128))
+
+    ours, xla, ref = f(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)))
+    check_against_reference(ours, xla, ref, what="transposed inputs")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_vmap(built_variants, causal):
+    """vmap over an extra leading axis goes through the primitive's batching rule into one kernel call."""
+    _require(built_variants, "bf16", 128, causal)
+    n, b, s_q, s_k, h_q, h_k, d = 3, 2, 200, 260, 4, 2, 128
+    q, k, v = _inputs(17, n * b, s_q, s_k, h_q, h_k, d, jnp.bfloat16)
+    q5, k5, v5 = (x.reshape(n, b, *x.shape[1:]) for x in (q, k, v))
+
+    def attn(impl):
+        return jax.jit(jax.vmap(functools.partial(
+            fa4_jax.attention, causal=causal, return_lse=True, implementation=impl)))
+
+    ours = attn("fa4")(q5, k5, v5)
+    xla = attn("xla")(q5, k5, v5)
+    ref = jax.jit(functools.partial(ref32, causal=causal, softmax_scale=1 / math.sqrt(d)))(q, k, v)
+    flat = lambda t: tuple(x.reshape(n * b, *x.shape[2:]) for x in t)  # noqa: E731
+    check_against_reference(flat(ours), flat(xla), ref, what=f"vmap causal={causal}")
+
+
+def test_two_calls_in_one_program(built_variants):
+    """Two kernel calls with different variants in one jitted program (dispatch per call, not per process)."""
+    _require(built_variants, "bf16", 64, False)
+    _require(built_variants, "bf16", 128, True)
+    qa, ka, va = _inputs(19, 1, 257, 257, 4, 4, 64, jnp.bfloat16)
+    qb, kb, vb = _inputs(23, 1, 257, 511, 4, 1, 128, jnp.bfloat16)
+
+    @jax.jit
+    def f(qa, ka, va, qb, kb, vb):
+        a = fa4_jax.attention(qa, ka, va, return_lse=True, implementation="fa4")
+        b = fa4_jax.attention(qb, kb, vb, causal=True, return_lse=True, implementation="fa4")
+        return a, b
+
+    a, b = f(qa, ka, va, qb, kb, vb)
+    xa = fa4_jax.attention(qa, ka, va, return_lse=True, implementation="xla")
+    xb = fa4_jax.attention(qb, kb, vb, causal=True, return_lse=True, implementation="xla")
+    check_against_reference(a, xa, ref32(qa, ka, va, causal=False, softmax_scale=1 / 8), what="program call a")
+    check_against_reference(b, xb, ref32(qb, kb, vb, causal=True, softmax_scale=1 / math.sqrt(128)),
+                            what="program call b")
+
+
+# --------------------------------------------------------------------------------------------------
+# errors surface as Python exceptions, and the process survives them
+# --------------------------------------------------------------------------------------------------
+
+
+def _raw_ffi_call(q, k, v, *, causal=False, softmax_scale=0.125):
+    """The FFI target called directly, bypassing fa4_jax's Python-side validation."""
+    from fa4_jax import _ffi
+
+    b, s_q, h_q, d = q.shape
+    call = jax.ffi.ffi_call(
+        _ffi.FWD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32)),
+    )
+    return call(q, k, v, causal=bool(causal), softmax_scale=np.float32(softmax_scale))
+
+
+def _assert_still_healthy(built_variants):
+    # After an FFI error the CUDA context must still work: a normal call of any built variant must run
+    # and be right (a sticky CUDA error would poison every later call in the process).
+    var = min(v for v in built_variants if v.arch == "sm90")
+    run_case(built_variants, dtype_name=var.dtype, head_dim=var.head_dim, causal=var.causal,
+             b=1, s_q=130, s_k=130, h_q=2, h_k=2)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(32, jnp.bfloat16), (128, jnp.float32)], ids=["hd32", "f32"])
+def test_ffi_error_is_python_exception(built_variants, head_dim, dtype):
+    """A variant no build can contain (head_dim 32, fp32) -> the handler's ffi::Error -> a Python exception."""
+    q, k, v = _inputs(29, 1, 64, 64, 2, 2, head_dim, dtype)
+    # Any exception type will do (XLA wraps handler errors in its runtime error); what matters is that
+    # Python gets one instead of the process aborting.
+    with pytest.raises(Exception):
+        jax.block_until_ready(jax.jit(_raw_ffi_call)(q, k, v))
+    _assert_still_healthy(built_variants)
+
+
+def test_missing_variant_raises(built_variants):
+    """implementation="fa4" for a variant the (narrowed) build lacks must raise, not crash or fall back."""
+    missing = [v for v in default_menu() if v.arch == "sm90" and v not in built_variants]
+    if not missing:
+        pytest.skip("the full default menu is built (set FA4_JAX_VARIANTS at build time to narrow it); "
+                    "the FFI-level error path is covered by test_ffi_error_is_python_exception")
+    var = missing[0]
+    dtype = DTYPES[var.dtype]
+    q, k, v = _inputs(31, 1, 64, 64, 2, 2, var.head_dim, dtype)
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(fa4_jax.attention(q, k, v, causal=var.causal, implementation="fa4"))
+    assert "fa4" in str(info.value).lower() or var.symbol in str(info.value), str(info.value)
+    # And the same variant through the raw FFI target: the C++ side's error, also as an exception.
+    with pytest.raises(Exception):
+        jax.block_until_ready(jax.jit(functools.partial(_raw_ffi_call, causal=var.causal))(q, k, v))
+    _assert_still_healthy(built_variants)
