@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""Forward-attention throughput on a Hopper GPU: fa4_jax vs cuDNN vs Pallas Mosaic-GPU.
+
+    python examples/benchmark.py                     # full table (~3-4 min on an H200)
+    python examples/benchmark.py --quick             # two rows, hd128 at 4k
+    python examples/benchmark.py --hd 128 --seqlens 1k,8k --causal 1 --json out.json
+
+Setting (the one the project's bar was measured in): 16k tokens per call (batch = 16384 // seqlen),
+heads = 2048 // head_dim, self-attention (seqlen_q = seqlen_k), layout (batch, seqlen, heads, head_dim)
+for all three. TFLOP/s = 4 * b * h * s^2 * d / t, halved for causal. bf16 for fa4_jax and cuDNN; Pallas
+Mosaic-GPU attention is fp16-only, so fa4_jax also runs in fp16 to give a same-dtype ratio.
+
+Timing: each function is jitted and warmed up; a batch is n back-to-back calls (rotating among two input
+sets) with one block_until_ready on the last, divided by n, because a single call's wall clock carries
+~20-50 us of dispatch. The reported time is the median of several batches. Every competitor's output is
+checked against a float64 host reference on a slice before it is timed; a wrong result is reported as
+WRONG and not timed.
+
+Without a Hopper GPU it says so and runs a small correctness demo of the XLA reference path instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.metadata
+import json
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import fa4_jax
+
+TOKENS_PER_CALL = 16384
+MODEL_WIDTH = 2048  # heads * head_dim
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+# Largest dynamic shared memory per block on sm_90 (227 KiB); Pallas configs above it fail to compile.
+SM90_SMEM_BYTES = 227 * 1024
+# A wrong kernel is off by O(1); a right one by ~1 bf16 ulp (~4e-3 of the max). 2e-2 separates them.
+REL_ERR_LIMIT = 2e-2
+
+
+# --------------------------------------------------------------------------------------------------
+# environment
+# --------------------------------------------------------------------------------------------------
+
+
+def hopper_device():
+    """The first GPU if it is compute capability 9.x, else None."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    if not devices:
+        return None
+    cc = str(getattr(devices[0], "compute_capability", "") or "")
+    return devices[0] if cc.startswith("9.") else None
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def header_lines(device) -> list[str]:
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    gpu = f"{device.device_kind} (cc {getattr(device, 'compute_capability', '?')})" if device else "none"
+    lines = [
+        f"fa4_jax benchmark  {now}",
+        f"GPU: {gpu}   jax {jax.__version__}   jaxlib {_dist_version('jaxlib')}   "
+        f"python {sys.version.split()[0]}   fa4_jax {getattr(fa4_jax, '__version__', '?')}",
+    ]
+    try:
+        from fa4_jax import _ffi
+
+        lines.append(f"kernel library: {_ffi.library_path()} ({len(_ffi.compiled_variants())} variants)")
+    except Exception as err:  # the header must not be what kills the benchmark
+        lines.append(f"kernel library: unavailable ({type(err).__name__}: {err})")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------
+# measurement
+# --------------------------------------------------------------------------------------------------
+
+
+def attention_flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
+    f = 4.0 * b * h * s * s * d
+    return f / 2 if causal else f
+
+
+def time_per_call(fn, input_sets, *, batches: int, target_batch_s: float) -> float:
+    """Median over `batches` of (time of n back-to-back calls, blocked on the last) / n, in seconds."""
+    for xs in input_sets:  # compile + first touch of every input set
+        jax.block_until_ready(fn(*xs))
+    # Calibrate n so one batch lasts ~target_batch_s: long enough to bury dispatch and timer noise.
+    t0 = time.perf_counter()
+    out = None
+    for xs in input_sets:
+        out = fn(*xs)
+    jax.block_until_ready(out)
+    per_call = (time.perf_counter() - t0) / len(input_sets)
+    n = max(4, min(500, int(target_batch_s / max(per_call, 1e-6))))
+    samples = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for i in range(n):
+            out = fn(*input_sets[i % len(input_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples)
+
+
+def make_inputs(seed: int, b: int, s: int, h: int, d: int, dtype):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    # Normal inputs, never zeros (zeros make every softmax uniform and hide bugs, and can be faster).
+    return tuple(jax.random.normal(key, (b, s, h, d), jnp.float32).astype(dtype) for key in (kq, kk, kv))
+
+
+def check_rows(q, k, v):
+    """Query rows checked against the host reference: the first 64 (few keys when causal) and last 128."""
+    s = q.shape[1]
+    return np.unique(np.concatenate([np.arange(min(64, s)), np.arange(max(0, s - 128), s)]))
+
+
+def reference_slice(q, k, v, rows, causal: bool, heads: int = 2):
+    """float64 attention for batch 0, the first `heads` heads and the given query rows (host, numpy)."""
+    d = q.shape[-1]
+    qs = np.asarray(q[0, rows, :heads], np.float64)  # (r, h, d)
+    ks = np.asarray(k[0, :, :heads], np.float64)  # (s, h, d)
+    vs = np.asarray(v[0, :, :heads], np.float64)
+    logits = np.einsum("rhd,shd->hrs", qs, ks) / math.sqrt(d)
+    if causal:  # s_q == s_k here, so bottom-right and top-left alignment coincide
+        logits = np.where(np.arange(ks.shape[0])[None, None, :] <= rows[None, :, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hrs,shd->rhd", p, vs)
+
+
+def relative_error(out, ref, rows, heads: int = 2) -> float:
+    got = np.asarray(out[0, rows, :heads], np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+# --------------------------------------------------------------------------------------------------
+# competitors: each returns a jitted fn(q, k, v) -> o, or raises
+# --------------------------------------------------------------------------------------------------
+
+
+def fa4_fn(causal: bool):
+    return jax.jit(functools.partial(fa4_jax.attention, causal=causal, implementation="fa4"))
+
+
+def cudnn_fn(causal: bool):
+    return jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn"))
+
+
+def pallas_configs(head_dim: int, causal: bool):
+    """Block configs for attention_mgpu that fit in shared memory (its kernel stages fp16 tiles)."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    configs = []
+    for block_q, block_kv, steps in ((64, 128, 2), (64, 64, 2), (64, 256, 2)):
+        # Two compute warpgroups each hold a (block_q, d) Q/O tile; K and V are staged `steps` deep.
+        smem = 2 * (2 * block_q * head_dim) + 2 * (2 * steps * block_kv * head_dim)
+        if smem > SM90_SMEM_BYTES - 4096:  # leave room for barriers
+            continue
+        configs.append(attention_mgpu.TuningConfig(
+            block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps, causal=causal))
+    return configs
+
+
+def pallas_fn(config):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    # Positional: `attention` is a custom_vjp whose config/save_residuals are nondiff_argnums.
+    return jax.jit(lambda q, k, v: attention_mgpu.attention(q, k, v, config, False))
+
+
+def short(err: BaseException, limit: int = 110) -> str:
+    msg = " ".join(f"{type(err).__name__}: {err}".split())
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------------
+
+
+def measure(name, make_fn, input_sets, rows, ref, *, flops, args, notes):
+    """Correctness gate, then timing. Returns (tflops or None, seconds or None); reasons go to notes."""
+    try:
+        fn = make_fn()
+        err = relative_error(fn(*input_sets[0][:3]), ref, rows)
+        if not err <= REL_ERR_LIMIT:
+            notes.append(f"{name}: WRONG (relative error {err:.2e} > {REL_ERR_LIMIT:g} on the checked slice); not timed")
+            return None, None
+        t = time_per_call(fn, input_sets, batches=args.batches, target_batch_s=args.target_batch_s)
+        return flops / t / 1e12, t
+    except Exception as err:  # one competitor failing must not kill the table
+        notes.append(f"{name}: n/a ({short(err)})")
+        return None, None
+
+
+def run_row(hd: int, causal: bool, seqlen: int, args) -> dict:
+    b, h = max(1, TOKENS_PER_CALL // seqlen), MODEL_WIDTH // hd
+    flops = attention_flops(b, h, seqlen, hd, causal)
+    row = dict(head_dim=hd, causal=causal, seqlen=seqlen, batch=b, heads=h, flops=flops, notes=[])
+    notes = row["notes"]
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        sets = [make_inputs(1000 * i + seqlen + hd, b, seqlen, h, hd, dtype) for i in range(2)]
+        rows = check_rows(*sets[0])
+        ref = reference_slice(*sets[0], rows, causal)
+        tf, t = measure(f"fa4 {dname}", lambda: fa4_fn(causal), sets, rows, ref, flops=flops, args=args, notes=notes)
+        row[f"fa4_{dname}_tflops"], row[f"fa4_{dname}_s"] = tf, t
+        if dname == "bf16" or args.cudnn_fp16:
+            tf, t = measure(f"cuDNN {dname}", lambda: cudnn_fn(causal), sets, rows, ref,
+                            flops=flops, args=args, notes=notes)
+            row[f"cudnn_{dname}_tflops"], row[f"cudnn_{dname}_s"] = tf, t
+        if dname == "fp16":
+            best, best_cfg = None, None
+            try:
+                configs = pallas_configs(hd, causal)
+                if not configs:
+                    notes.append(f"Pallas: n/a (no block config fits shared memory at hd{hd})")
+            except Exception as err:
+                configs = []
+                notes.append(f"Pallas: n/a ({short(err)})")
+            for cfg in configs:
+                label = f"Pallas bq{cfg.block_q}/bkv{cfg.block_kv}/st{cfg.max_concurrent_steps}"
+                tf, t = measure(label, functools.partial(pallas_fn, cfg), sets, rows, ref,
+                                flops=flops, args=args, notes=notes)
+                if tf is not None and (best is None or tf > best):
+                    best, best_cfg = tf, label.split(" ", 1)[1]
+            row["pallas_fp16_tflops"], row["pallas_fp16_config"] = best, best_cfg
+        del sets
+    return row
+
+
+def fmt(x, width=8, prec=0):
+    return f"{x:{width}.{prec}f}" if x is not None else f"{'n/a':>{width}}"
+
+
+def ratio(a, b, width=7):
+    return f"{a / b:{width}.2f}" if a is not None and b is not None and b > 0 else f"{'-':>{width}}"
+
+
+def table_header(dtypes) -> str:
+    cols = f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'batch':>5} {'heads':>5} |"
+    if "bf16" in dtypes:
+        cols += f" {'fa4 bf16':>8} {'cuDNN':>8} {'fa4/cuD':>7} |"
+    if "fp16" in dtypes:
+        cols += f" {'fa4 fp16':>8} {'Pallas':>8} {'fa4/Pal':>7} | Pallas best config"
+    return cols
+
+
+def table_line(r, dtypes) -> str:
+    line = f"{r['head_dim']:>4} {('yes' if r['causal'] else 'no'):>6} {r['seqlen']:>6} {r['batch']:>5} {r['heads']:>5} |"
+    if "bf16" in dtypes:
+        a, c = r.get("fa4_bf16_tflops"), r.get("cudnn_bf16_tflops")
+        line += f" {fmt(a)} {fmt(c)} {ratio(a, c)} |"
+    if "fp16" in dtypes:
+        a, p = r.get("fa4_fp16_tflops"), r.get("pallas_fp16_tflops")
+        line += f" {fmt(a)} {fmt(p)} {ratio(a, p)} | {r.get('pallas_fp16_config') or ''}"
+    return line
+
+
+def parse_seqlens(text: str) -> list[int]:
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item:
+            out.append(int(float(item[:-1]) * 1024) if item.endswith("k") else int(item))
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hd", default="64,128,256", help="head dims, comma-separated (default 64,128,256)")
+    p.add_argument("--seqlens", default="1k,2k,4k,8k,16k", help="sequence lengths, e.g. 1k,4k,16384")
+    p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "both"), default="both",
+                   help="bf16: fa4 vs cuDNN; fp16: fa4 vs Pallas MGPU; both (default)")
+    p.add_argument("--quick", action="store_true", help="two rows: hd128, 4k, causal no/yes")
+    p.add_argument("--json", metavar="PATH", help="also write the raw numbers as JSON")
+    p.add_argument("--batches", type=int, default=5, help="timed batches per measurement; median reported (>= 5)")
+    p.add_argument("--target-batch-s", type=float, default=0.04, help="approximate duration of one timed batch")
+    p.add_argument("--cudnn-fp16", action="store_true", help="also time cuDNN in fp16")
+    args = p.parse_args(argv)
+    args.hds = [int(x) for x in args.hd.split(",") if x.strip()]
+    args.seqlen_list = parse_seqlens(args.seqlens)
+    args.causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    args.dtypes = ["bf16", "fp16"] if args.dtype == "both" else [args.dtype]
+    if args.quick:
+        args.hds, args.seqlen_list, args.causals = [128], [4096], [False, True]
+    if args.batches < 1:
+        p.error("--batches must be >= 1")
+    return args
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU fallback: the reference path's correctness, in a few seconds
+# --------------------------------------------------------------------------------------------------
+
+
+def cpu_demo() -> int:
+    print("No Hopper (compute capability 9.x) GPU visible to jax: the FA4 kernel cannot run here, so there is\n"
+          "nothing to time. Running a small correctness demo of the XLA reference path instead.\n")
+    cases = [  # (dtype, b, s_q, s_k, h_q, h_k, d, causal)
+        ("bf16", 2, 128, 128, 4, 4, 64, False),
+        ("bf16", 1, 200, 200, 8, 2, 128, True),
+        ("fp16", 1, 77, 300, 6, 2, 96, True),
+        ("bf16", 1, 300, 100, 4, 1, 256, True),  # rows that see no key -> O = 0, LSE = -inf
+    ]
+    ok = True
+    for dname, b, s_q, s_k, h_q, h_k, d, causal in cases:
+        # numpy's generator: jax.random would spend seconds compiling on CPU for a few small arrays.
+        rng = np.random.default_rng(s_q * 7 + d)
+        q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32).astype(DTYPES[dname]))
+                   for shape in ((b, s_q, h_q, d), (b, s_k, h_k, d), (b, s_k, h_k, d)))
+        t0 = time.perf_counter()
+        o, lse = fa4_jax.attention(q, k, v, causal=causal, return_lse=True)  # implementation=None -> xla
+        o = np.asarray(o, np.float64)
+        dt = time.perf_counter() - t0
+        # float64 oracle with the contract's semantics: bottom-right causal mask, GQA head groups.
+        q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+        k64, v64 = (np.repeat(x, h_q // h_k, axis=2) for x in (k64, v64))
+        logits = np.einsum("bqhd,bkhd->bhqk", q64, k64) / math.sqrt(d)
+        if causal:
+            visible = np.arange(s_k)[None, :] <= np.arange(s_q)[:, None] + (s_k - s_q)
+            logits = np.where(visible, logits, -np.inf)
+        m = logits.max(-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(logits - m)
+        l = p.sum(-1, keepdims=True)
+        ref = np.einsum("bhqk,bkhd->bqhd", p / np.where(l > 0, l, 1.0), v64)
+        ref_lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m[..., 0], -np.inf)
+        err = np.abs(o - ref).max() / np.abs(ref).max()
+        lse_ok = np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref_lse))
+        good = err < REL_ERR_LIMIT and lse_ok and np.isfinite(o).all()
+        ok &= good
+        print(f"  {dname} b={b} s_q={s_q} s_k={s_k} h={h_q}/{h_k} d={d} causal={causal!s:5}: "
+              f"max rel err {err:.1e}, empty rows {int(np.isneginf(ref_lse).sum())}, {dt * 1e3:.0f} ms "
+              f"{'ok' if good else 'WRONG'}")
+    print("\nreference path " + ("agrees with the float64 oracle." if ok else "DISAGREES with the float64 oracle!"))
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = hopper_device()
+    for line in header_lines(device):
+        print(line)
+    if device is None:
+        return cpu_demo()
+
+    print(f"setting: {TOKENS_PER_CALL} tokens/call, heads = {MODEL_WIDTH} // hd, TFLOP/s = 4*b*h*s^2*d/t "
+          f"(/2 causal), median of {args.batches} batches of back-to-back calls, 2 input sets")
+    print(table_header(args.dtypes))
+    print("-" * len(table_header(args.dtypes)))
+    t_start = time.perf_counter()
+    results = []
+    for hd in args.hds:
+        for causal in args.causals:
+            for seqlen in args.seqlen_list:
+                r = run_row(hd, causal, seqlen, args)
+                results.append(r)
+                print(table_line(r, args.dtypes), flush=True)
+                for note in r["notes"]:
+                    print(f"{'':>31}  ^ {note}", flush=True)
+    elapsed = time.perf_counter() - t_start
+    print(f"\n{len(results)} rows in {elapsed:.0f} s. Ratios > 1 mean fa4_jax is faster (same run, same dtype).")
+
+    if args.json:
+        meta = dict(header=header_lines(device), device=device.device_kind, jax=jax.__version__,
+                    date=datetime.datetime.now().astimezone().isoformat(), tokens_per_call=TOKENS_PER_CALL,
+                    model_width=MODEL_WIDTH, batches=args.batches, elapsed_s=elapsed)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=results), f, indent=1)
+        print(f"raw numbers written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
