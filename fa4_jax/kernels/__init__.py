@@ -21,17 +21,24 @@ _HOST_TARGET = "--host-target 'llvm -mtriple=x86_64-unknown-linux-gnu'"
 _GPU_ARCH = {"sm90": "sm_90a", "sm100": "sm_100a"}
 
 
+# Dynamic strides must be 64-bit SymInts: the exported C struct always declares `int64_t
+# dynamic_strides[]`, but a default (32-bit) SymInt stride makes the compiled code read the fields
+# as packed int32 -- every stride but one silently becomes 0 (seen with cutlass-dsl 4.8.1).
+def _stride(divisibility: int = 1):
+    return cute.sym_int64(divisibility=divisibility)
+
+
 def _fake_bshd(dtype, head_dim: int):
     # Strides are multiples of 8 elements (16 bytes) because head_dim is a multiple of 16: TMA
     # requires 16-byte aligned global strides, and declaring it lets the compiler prove it.
     b, s, h = cute.SymInt(), cute.SymInt(), cute.SymInt()
-    sb, ss, sh = (cute.SymInt(divisibility=8) for _ in range(3))
+    sb, ss, sh = (_stride(8) for _ in range(3))
     return make_fake_tensor(dtype, (b, s, h, head_dim), (sb, ss, sh, 1), assumed_align=16)
 
 
 def _fake_lse():
     b, h, s = cute.SymInt(), cute.SymInt(), cute.SymInt()
-    sb, sh = cute.SymInt(), cute.SymInt()
+    sb, sh = _stride(), _stride()
     return make_fake_tensor(cutlass.Float32, (b, h, s), (sb, sh, 1), assumed_align=4)
 
 
