@@ -1,51 +1,49 @@
 """The one place where fa4_jax touches JAX APIs that move between versions.
 
-Supported: jax 0.10 (build host) and 0.11 (GPU host). Everything here is public API in both; the
-fallbacks cover older spellings so a future rename breaks one file, not five.
+Supported: jax 0.10 (build host) and 0.11 (GPU host). Every name is taken from its public home
+first; only if that is gone or deprecated there (jax warns before it removes) do we reach into
+jax._src, so a rename costs a warning-free fallback here instead of a crash elsewhere.
 """
 
 from __future__ import annotations
 
-import jax
+import importlib
+import warnings
+
 import jax.ffi
 
-try:  # public home of Primitive since jax 0.4.36
-    from jax.extend.core import Primitive
-except ImportError:  # pragma: no cover - older jax
-    from jax.core import Primitive  # type: ignore[no-redef]
 
-try:
-    from jax.core import ShapedArray
-except ImportError:  # pragma: no cover - if jax.core drops the re-export
-    from jax._src.core import ShapedArray  # type: ignore[no-redef]
+def _public_or_private(name: str, public: str, private: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        try:
+            return getattr(importlib.import_module(public), name)
+        except (ImportError, AttributeError, DeprecationWarning):
+            pass
+    return getattr(importlib.import_module(private), name)
 
-from jax.interpreters import ad, batching, mlir
 
-__all__ = [
-    "Primitive",
-    "ShapedArray",
-    "ad",
-    "batching",
-    "mlir",
-    "ffi_lowering",
-    "register_lowering",
-    "lower_fun",
-    "register_batching",
-    "register_jvp",
-    "register_transpose",
-]
+Primitive = _public_or_private("Primitive", "jax.extend.core", "jax._src.core")
+ShapedArray = _public_or_private("ShapedArray", "jax.core", "jax._src.core")
+lower_fun = _public_or_private("lower_fun", "jax.interpreters.mlir", "jax._src.interpreters.mlir")
+register_lowering = _public_or_private("register_lowering", "jax.interpreters.mlir", "jax._src.interpreters.mlir")
+_primitive_jvps = _public_or_private("primitive_jvps", "jax.interpreters.ad", "jax._src.interpreters.ad")
+_primitive_transposes = _public_or_private("primitive_transposes", "jax.interpreters.ad", "jax._src.interpreters.ad")
+_primitive_batchers = _public_or_private(
+    "primitive_batchers", "jax.interpreters.batching", "jax._src.interpreters.batching"
+)
 
 ffi_lowering = jax.ffi.ffi_lowering
-register_lowering = mlir.register_lowering
-lower_fun = mlir.lower_fun
+
 
 def register_batching(prim, rule) -> None:
-    batching.primitive_batchers[prim] = rule
+    """rule(args, dims, **params) -> (outs, out_dims); an unbatched operand has dim None."""
+    _primitive_batchers[prim] = rule
 
 
 def register_jvp(prim, rule) -> None:
-    ad.primitive_jvps[prim] = rule
+    _primitive_jvps[prim] = rule
 
 
 def register_transpose(prim, rule) -> None:
-    ad.primitive_transposes[prim] = rule
+    _primitive_transposes[prim] = rule
