@@ -8,7 +8,6 @@ Works on anything with `.shape` and `.dtype`: arrays, tracers, `ShapedArray`, `S
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,23 +26,30 @@ def dtype_tag(dtype) -> str:
 
 def check_flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a Python bool (it is a static flag); got {name}={value!r}")
+        raise TypeError(
+            f"{name} must be a Python bool; got {name}={value!r}. Under jax.jit, mark it static "
+            f"(static_argnames=({name!r}, ...))."
+        )
     return bool(value)
 
 
 def check_softmax_scale(softmax_scale) -> float:
     """Returns the scale as a Python float: it becomes a static primitive parameter."""
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
-        softmax_scale, (numbers.Real, np.ndarray, np.generic)
-    ):
+    static_hint = (
+        "Under jax.jit, pass it as a static argument (static_argnames=('softmax_scale', ...)) or leave "
+        "it None for 1/sqrt(head_dim)."
+    )
+    if isinstance(softmax_scale, (bool, np.bool_, str, bytes)) or softmax_scale is None:
+        raise TypeError(f"softmax_scale must be a Python float; got {softmax_scale!r}. {static_hint}")
+    if np.ndim(softmax_scale) != 0:
+        raise TypeError(f"softmax_scale must be a scalar; got shape {np.shape(softmax_scale)}")
+    try:
+        scale = float(softmax_scale)  # concrete NumPy/JAX scalars are fine; tracers are not
+    except TypeError as e:  # includes jax.errors.ConcretizationTypeError
         raise TypeError(
-            "softmax_scale must be a Python float known at trace time; got "
-            f"{type(softmax_scale).__name__} {softmax_scale!r}. Under jax.jit, pass it as a static "
-            "argument (static_argnames=('softmax_scale', ...)) or leave it None for 1/sqrt(head_dim)."
-        )
-    if isinstance(softmax_scale, np.ndarray) and softmax_scale.shape != ():
-        raise TypeError(f"softmax_scale must be a scalar; got an array of shape {softmax_scale.shape}")
-    scale = float(softmax_scale)
+            f"softmax_scale must be known at trace time, not a traced value ({type(softmax_scale).__name__}). "
+            + static_hint
+        ) from e
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale=}")
     return scale

@@ -81,10 +81,10 @@ BAD_OPTIONS = {
     "scale_negative": (dict(softmax_scale=-0.125), ValueError, r"softmax_scale=-0\.125"),
     "scale_nan": (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale=nan"),
     "scale_inf": (dict(softmax_scale=math.inf), ValueError, r"softmax_scale=inf"),
-    "scale_str": (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a Python float.*'0\.1'"),
+    "scale_str": (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a Python float; got '0\.1'"),
     "scale_bool": (dict(softmax_scale=True), TypeError, r"softmax_scale must be a Python float"),
     "scale_vector": (dict(softmax_scale=np.array([0.1, 0.2])), TypeError, r"scalar"),
-    "causal_int": (dict(causal=1), TypeError, r"causal must be a Python bool.*causal=1"),
+    "causal_int": (dict(causal=1), TypeError, r"causal must be a Python bool; got causal=1\. Under jax\.jit, mark it static"),
     "causal_none": (dict(causal=None), TypeError, r"causal=None"),
     "return_lse_str": (dict(return_lse="yes"), TypeError, r"return_lse must be a Python bool.*'yes'"),
     "implementation_unknown": (dict(implementation="cudnn"), ValueError, r"implementation must be None, \"fa4\" or \"xla\"; got implementation='cudnn'"),
@@ -122,11 +122,21 @@ def test_bad_option_beats_fa4_availability(no_launch):
         attention(*make_qkv(0), softmax_scale=-1.0, implementation="fa4")
 
 
-def test_traced_softmax_scale_explains_static_args():
+def test_traced_arguments_explain_static_args():
     q, k, v = make_qkv(1)
     f = jax.jit(lambda q, k, v, s: attention(q, k, v, softmax_scale=s))
-    with pytest.raises(TypeError, match="static"):
+    with pytest.raises(TypeError, match=r"softmax_scale must be known at trace time.*static_argnames"):
         f(q, k, v, 0.1)
+    g = jax.jit(lambda q, k, v, c: attention(q, k, v, causal=c))
+    with pytest.raises(TypeError, match=r"causal must be a Python bool.*mark it static"):
+        g(q, k, v, True)
+
+
+def test_concrete_array_scale_accepted():
+    q, k, v = make_qkv(1)
+    got = attention(q, k, v, softmax_scale=jnp.float32(0.3))
+    want = attention(q, k, v, softmax_scale=0.3)
+    np.testing.assert_array_equal(f64(got), f64(want))
 
 
 # -- semantics ----------------------------------------------------------------------------------
