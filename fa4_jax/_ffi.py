@@ -28,9 +28,9 @@ _registered = False
 
 
 def _candidate_dirs() -> list[Path]:
-    """fa4_jax/_lib next to this file first (regular installs, tools/build_inplace.py); then any
-    other directory of the package's __path__ (an editable install may split the package between
-    the checkout and site-packages)."""
+    """fa4_jax/_lib next to this file (regular installs, tools/build_inplace.py) and in every other
+    directory of the package's __path__: scikit-build-core's editable install serves the Python
+    files from the checkout but installs the library under site-packages/fa4_jax/_lib."""
     dirs = [_PKG_DIR / "_lib"]
     try:
         import fa4_jax
@@ -46,15 +46,17 @@ def _candidate_dirs() -> list[Path]:
 
 def library_path() -> Path | None:
     """The library to load: $FA4_JAX_LIBRARY if set, else fa4_jax/_lib/libfa4_jax.so.
-    None when no such file exists (see library_status())."""
+    None when no such file exists (see library_status()).
+
+    Where an editable install and an in-place build both left a library, the newer one wins:
+    that is the build the user ran last.
+    """
     env = os.environ.get(LIBRARY_ENV)
     if env:
         p = Path(env).expanduser()
         return p if p.is_file() else None
-    for d in _candidate_dirs():
-        if (d / _LIB_NAME).is_file():
-            return d / _LIB_NAME
-    return None
+    found = [d / _LIB_NAME for d in _candidate_dirs() if (d / _LIB_NAME).is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def _missing_reason() -> str:

@@ -35,6 +35,7 @@ from fa4_jax.variants import FwdVariant, menu_from_env
 INC_FILE = "fa4_variants.inc"
 MENU_FILE = "fa4_menu.json"  # installed next to the .so; tests compare it with the library
 FINGERPRINT_FILE = "fa4_fingerprints.json"  # object cache of this directory
+REQUEST_FILE = "fa4_request.json"  # menu + kernel file list recorded at CMake configure time
 _KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 _PREFIX = "[fa4_jax.aot]"
 
@@ -326,9 +327,38 @@ def _write_if_changed(path: Path, text: str) -> None:
 # Driver
 
 
-def build(out: Path, jobs: int, force: bool = False) -> None:
+def _kernel_source_names() -> list[str]:
+    if not _KERNELS_DIR.is_dir():
+        return []
+    return sorted(
+        p.relative_to(_KERNELS_DIR).as_posix()
+        for p in _KERNELS_DIR.rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
+
+
+def _menu_for(spec: str) -> list[FwdVariant]:
+    return sorted(menu_from_env({"FA4_JAX_VARIANTS": spec}))
+
+
+def build(out: Path, jobs: int, force: bool = False, request: Path | None = None) -> None:
+    """Compile (or take from the cache) every variant of the menu, check, and generate the table.
+
+    The menu is FA4_JAX_VARIANTS from the environment, or, with `request` (the CMake build step),
+    the spec recorded in that file at configure time.
+    """
     t_start = time.perf_counter()
-    menu = sorted(menu_from_env())
+    if request is not None:
+        req = _read_json(request)
+        if "fa4_jax_variants" not in req:
+            raise AotError(f"{request} is missing or unreadable; reconfigure the build")
+        spec = req["fa4_jax_variants"]
+        menu = _menu_for(spec)
+        if [v.symbol for v in menu] != req.get("variants"):
+            raise AotError(f"the menu changed since {request} was written; reconfigure the build")
+    else:
+        spec = os.environ.get("FA4_JAX_VARIANTS", "")
+        menu = _menu_for(spec)
     if not menu:
         raise AotError("the variant menu is empty")
     out.mkdir(parents=True, exist_ok=True)
@@ -413,7 +443,7 @@ def build(out: Path, jobs: int, force: bool = False) -> None:
         json.dumps(
             {
                 "variants": [v.symbol for v in menu],
-                "fa4_jax_variants": os.environ.get("FA4_JAX_VARIANTS", ""),
+                "fa4_jax_variants": spec,
                 "cutlass_dsl_version": dsl_version,
                 "cuda_calls": calls,
             },
@@ -450,12 +480,14 @@ def _cutlass_dsl_runtime_archive() -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
-def write_cmake_config(path: Path) -> None:
+def write_cmake_config(path: Path, out: Path) -> None:
     """Everything CMakeLists.txt needs from Python, in one interpreter start: the menu (to name the
-    custom command's outputs), the jax FFI headers and the DSL's static runtime."""
+    custom command's outputs), the jax FFI headers and the DSL's static runtime. Also writes
+    out/fa4_request.json, the build step's input (see CMakeLists.txt)."""
     import jax
 
-    menu = sorted(menu_from_env())
+    spec = os.environ.get("FA4_JAX_VARIANTS", "")
+    menu = _menu_for(spec)
     archive = _cutlass_dsl_runtime_archive()
     if archive is None:
         raise AotError(
@@ -475,6 +507,9 @@ def write_cmake_config(path: Path) -> None:
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_if_changed(path, "\n".join(lines) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    req = {"fa4_jax_variants": spec, "variants": [v.symbol for v in menu], "kernel_sources": _kernel_source_names()}
+    _write_if_changed(out / REQUEST_FILE, json.dumps(req, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,11 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel worker processes")
     parser.add_argument("--force", action="store_true", help="recompile even if the cache is valid")
     parser.add_argument("--list", action="store_true", help="print the variant menu and exit")
+    # Used by CMakeLists.txt only.
     parser.add_argument("--cmake-config", type=Path, metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--request", type=Path, metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         if args.cmake_config is not None:
-            write_cmake_config(args.cmake_config.resolve())
+            if args.out is None:
+                parser.error("--cmake-config needs --out")
+            write_cmake_config(args.cmake_config.resolve(), args.out.resolve())
             return 0
         if args.list:
             for v in sorted(menu_from_env()):
@@ -495,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.out is None:
             parser.error("--out is required (unless --list)")
-        build(args.out.resolve(), args.jobs, force=args.force)
+        build(args.out.resolve(), args.jobs, force=args.force, request=args.request)
         return 0
     except (AotError, ValueError) as e:
         print(f"{_PREFIX} error: {e}", file=sys.stderr, flush=True)
