@@ -56,7 +56,21 @@ def library_path() -> Path | None:
         p = Path(env).expanduser()
         return p if p.is_file() else None
     found = [d / _LIB_NAME for d in _candidate_dirs() if (d / _LIB_NAME).is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    if found:
+        return max(found, key=lambda p: p.stat().st_mtime)
+    return _installed_library()
+
+
+def _installed_library() -> Path | None:
+    """The library of an installed fa4-jax wheel, for when the package itself is imported from a
+    checkout that has none (e.g. `pip install .` followed by pytest run inside the checkout)."""
+    try:
+        import importlib.metadata
+
+        p = Path(importlib.metadata.distribution("fa4-jax").locate_file(f"fa4_jax/_lib/{_LIB_NAME}"))
+    except Exception:  # noqa: BLE001 - not installed, or metadata unreadable
+        return None
+    return p if p.is_file() else None
 
 
 def _missing_reason() -> str:
