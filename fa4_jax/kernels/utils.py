@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
@@ -82,30 +84,23 @@ def wgmma(
 
 
 @cute.jit
+def _row_reduce(x: cute.TensorSSA, op: cutlass.Constexpr, init: Float32) -> Float32:
+    """Reduce one row's registers with four independent chains (ILP), then fold in `init`."""
+    r = cute.make_rmem_tensor(x.shape, Float32)
+    r.store(x)
+    acc = [r[i] for i in range(4)]
+    for i in cutlass.range_constexpr(4, cute.size(x.shape), 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = op(acc[j], r[i + j])
+    return op(op(op(acc[0], acc[1]), op(acc[2], acc[3])), init)
+
+
 def row_max(x: cute.TensorSSA, init: Float32) -> Float32:
-    """Max over one row's registers with four independent chains (ILP), then `init`."""
-    r = cute.make_rmem_tensor(x.shape, Float32)
-    r.store(x)
-    n = cute.size(x.shape)
-    acc = [r[i] for i in range(4)]
-    for i in cutlass.range_constexpr(4, n, 4):
-        for j in cutlass.range_constexpr(4):
-            acc[j] = cute.arch.fmax(acc[j], r[i + j])
-    m = cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
-    return cute.arch.fmax(m, init)
+    return _row_reduce(x, cute.arch.fmax, init)
 
 
-@cute.jit
 def row_sum(x: cute.TensorSSA, init: Float32) -> Float32:
-    """Sum over one row's registers with four independent chains (ILP), plus `init`."""
-    r = cute.make_rmem_tensor(x.shape, Float32)
-    r.store(x)
-    n = cute.size(x.shape)
-    acc = [r[i] for i in range(4)]
-    for i in cutlass.range_constexpr(4, n, 4):
-        for j in cutlass.range_constexpr(4):
-            acc[j] = acc[j] + r[i + j]
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]) + init
+    return _row_reduce(x, operator.add, init)
 
 
 @cute.jit
