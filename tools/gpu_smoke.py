@@ -30,21 +30,9 @@ CASES = [  # (dtype, b, s_q, s_k, h_q, h_k, d, causal)
 
 
 def ref32(q, k, v, causal, scale):
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    g = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * scale
-    sq, sk = q.shape[1], k.shape[1]
-    if causal:
-        ok = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None] + sk - sq
-        s = jnp.where(ok, s, -jnp.inf)
-    m = jnp.max(s, -1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, -1, keepdims=True)
-    o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l == 0, 1, l), v, precision="highest")
-    lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(l[..., 0]) + m[..., 0])
-    return o, lse
+    """The package's reference on float32-upcast inputs: the fp32 oracle."""
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    return fa4_jax.attention_reference(*up, causal=causal, softmax_scale=scale)
 
 
 def main():
