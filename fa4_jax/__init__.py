@@ -10,7 +10,7 @@ kernel library nor cutlass.
 
 from fa4_jax.attention import attention
 from fa4_jax.reference import attention_reference
-from fa4_jax.variants import FwdVariant
+from fa4_jax.families import FwdVariant
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,11 @@
-"""Loads libfa4_jax.so (the AOT-built kernels + XLA FFI handlers) and registers its FFI target.
+"""Loads libfa4_jax.so (the AOT-built kernels + XLA FFI handlers) and registers its FFI targets.
 
-Runtime module: imports only the standard library, jax and fa4_jax.variants (never `cutlass`).
+Runtime module: imports only the standard library, jax and fa4_jax.families (never `cutlass`).
 Nothing here raises because the library is missing or unusable; callers get an empty
 `compiled_variants()` / False from `register_targets()`, and `library_status()` says why.
+
+The library's C ABI (ffi/runtime.cc): it lists its FFI targets and their handler stages, its kernel
+variants (all families), and loads one variant on one device on request.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import os
 import threading
 from pathlib import Path
 
-from fa4_jax.variants import FwdVariant
+from fa4_jax.families import FAMILIES, variant_from_symbol
 
-FWD_TARGET = "fa4_jax_fwd_v1"
 LIBRARY_ENV = "FA4_JAX_LIBRARY"
+# The handler stages every target has (see FamilyHandlers in ffi/runtime.h): initialize loads the
+# chosen kernel on the stream's device before any CUDA-graph capture; execute launches it.
+STAGES = ("initialize", "execute")
 _LIB_NAME = "libfa4_jax.so"
 _PKG_DIR = Path(__file__).resolve().parent
 
@@ -23,8 +28,9 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _load_attempted = False
 _status = "not loaded yet"
-_variants: frozenset[FwdVariant] | None = None
-_registered = False
+_variants: frozenset | None = None
+_registered: bool | None = None
+_prepared: set[tuple[str, int]] = set()
 
 
 def _candidate_dirs() -> list[Path]:
@@ -85,6 +91,16 @@ def _missing_reason() -> str:
     )
 
 
+_SIGNATURES = {
+    "fa4_jax_num_targets": ((), ctypes.c_int),
+    "fa4_jax_target_name": ((ctypes.c_int,), ctypes.c_char_p),
+    "fa4_jax_ffi_handler": ((ctypes.c_char_p, ctypes.c_char_p), ctypes.c_void_p),
+    "fa4_jax_num_variants": ((), ctypes.c_int),
+    "fa4_jax_variant_symbol": ((ctypes.c_int,), ctypes.c_char_p),
+    "fa4_jax_prepare_variant": ((ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int), ctypes.c_int),
+}
+
+
 def _load() -> ctypes.CDLL | None:
     """Load the library once per process; later calls return the cached handle (or None)."""
     global _lib, _load_attempted, _status
@@ -98,12 +114,9 @@ def _load() -> ctypes.CDLL | None:
             return None
         try:
             lib = ctypes.cdll.LoadLibrary(str(path))
-            lib.fa4_jax_num_variants.argtypes = ()
-            lib.fa4_jax_num_variants.restype = ctypes.c_int
-            lib.fa4_jax_variant_symbol.argtypes = (ctypes.c_int,)
-            lib.fa4_jax_variant_symbol.restype = ctypes.c_char_p
-            for stage in ("instantiate", "execute"):
-                getattr(lib, f"{FWD_TARGET}_{stage}")  # fail here, not at registration
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                fn = getattr(lib, name)  # fail here (AttributeError), not at first use
+                fn.argtypes, fn.restype = argtypes, restype
         except (OSError, AttributeError) as e:
             _status = f"cannot load {path}: {e}"
             return None
@@ -118,8 +131,16 @@ def library_status() -> str:
     return _status
 
 
-def compiled_variants() -> frozenset[FwdVariant]:
-    """The kernel variants the library was built with; empty when it is unavailable."""
+def targets() -> tuple[str, ...]:
+    """The FFI targets the library provides (one per kernel family in its build)."""
+    lib = _load()
+    if lib is None:
+        return ()
+    return tuple(lib.fa4_jax_target_name(i).decode() for i in range(lib.fa4_jax_num_targets()))
+
+
+def compiled_variants() -> frozenset:
+    """The kernel variants (of every family) the library was built with; empty when unavailable."""
     global _variants, _status
     lib = _load()
     if lib is None:
@@ -130,7 +151,7 @@ def compiled_variants() -> frozenset[FwdVariant]:
             for i in range(lib.fa4_jax_num_variants()):
                 raw = lib.fa4_jax_variant_symbol(i)
                 try:
-                    found.add(FwdVariant.from_symbol(raw.decode()))
+                    found.add(variant_from_symbol(raw.decode()))
                 except (AttributeError, UnicodeDecodeError, ValueError, TypeError):
                     # A library newer than this package may list variants it cannot name.
                     _status += f"; ignored unknown variant {raw!r}"
@@ -139,29 +160,54 @@ def compiled_variants() -> frozenset[FwdVariant]:
 
 
 def register_targets() -> bool:
-    """Register the "fa4_jax_fwd_v1" FFI target for platform CUDA (once per process).
+    """Register every FFI target the library lists, for platform CUDA (once per process).
 
-    Returns False when the library is unavailable or registration failed (see library_status()).
-    Both handler stages are registered: instantiate loads the kernel modules once, outside any
-    CUDA-graph capture; execute launches the kernel.
+    Returns False when the library is unavailable or a registration failed (see library_status()).
+    A target this package does not know (a newer library) is skipped, not registered blindly.
     """
     global _registered, _status
     lib = _load()
     if lib is None:
         return False
     with _lock:
-        if _registered:
-            return True
+        if _registered is not None:
+            return _registered
+        known = {f.target for f in FAMILIES}
+        _registered = True
         try:
             import jax
 
-            bundle = {
-                stage: jax.ffi.pycapsule(getattr(lib, f"{FWD_TARGET}_{stage}"))
-                for stage in ("instantiate", "execute")
-            }
-            jax.ffi.register_ffi_target(FWD_TARGET, bundle, platform="CUDA", api_version=1)
+            for i in range(lib.fa4_jax_num_targets()):
+                target = lib.fa4_jax_target_name(i).decode()
+                if target not in known:
+                    _status += f"; skipped unknown FFI target {target!r}"
+                    continue
+                bundle = {}
+                for stage in STAGES:
+                    ptr = lib.fa4_jax_ffi_handler(target.encode(), stage.encode())
+                    if not ptr:
+                        raise RuntimeError(f"the library has no {stage} handler for {target}")
+                    bundle[stage] = jax.ffi.pycapsule(ptr)
+                jax.ffi.register_ffi_target(target, bundle, platform="CUDA", api_version=1)
         except Exception as e:  # noqa: BLE001 - surfaced through library_status()
-            _status += f"; registering {FWD_TARGET} failed: {type(e).__name__}: {e}"
-            return False
-        _registered = True
-        return True
+            _status += f"; registering the FFI targets failed: {type(e).__name__}: {e}"
+            _registered = False
+        return _registered
+
+
+def prepare_variant(variant, device_ordinal: int) -> str | None:
+    """Load `variant` on CUDA device `device_ordinal` now; None on success, else why it failed.
+
+    Success is remembered per (variant, device); a failure is not, so a later call tries again
+    (a transient failure must not disable the kernel for the rest of the process)."""
+    lib = _load()
+    if lib is None:
+        return f"the kernel library is unavailable: {_status}"
+    key = (variant.symbol, int(device_ordinal))
+    if key in _prepared:
+        return None
+    err = ctypes.create_string_buffer(1024)
+    if lib.fa4_jax_prepare_variant(variant.symbol.encode(), int(device_ordinal), err, len(err)) != 0:
+        return err.value.decode(errors="replace") or f"loading {variant.symbol} failed"
+    _prepared.add(key)
+    return None

@@ -12,9 +12,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.variants import HEAD_DIMS
+from fa4_jax.families import HEAD_DIMS
 
-# The kernels are compiled for these input dtypes only (see fa4_jax.variants.DTYPES).
+# The kernels are compiled for these input dtypes only (see fa4_jax.families.DTYPES).
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 IMPLEMENTATIONS = ("fa4", "xla")
 

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import math
 
-import jax
-
+from fa4_jax import _platform
 from fa4_jax._validation import check_flag, check_qkv, check_softmax_scale, dtype_tag
+from fa4_jax.families import FwdVariant
 from fa4_jax.primitive import fa4_fwd_p
-from fa4_jax.variants import FwdVariant
-
-_BUILD_HINT = (
-    "Build the kernel library with `pip install .` (or `python tools/build_inplace.py`) on a machine "
-    "with the CUDA toolkit, or point FA4_JAX_LIBRARY at a built libfa4_jax.so."
-)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, implementation=None):
@@ -53,53 +47,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, im
 
 
 def resolve_implementation(implementation, *, dtype, head_dim: int, causal: bool) -> str:
-    """Maps the user's choice to "fa4" or "xla"; for "fa4" also registers the FFI target."""
+    """Maps the user's choice to "fa4" or "xla"; for "fa4" the kernel is also loaded on the device."""
     if implementation == "xla":
         return "xla"
-    if implementation is None:
-        return "fa4" if _fa4_unavailable_reason(dtype, head_dim, causal) is None else "xla"
-    if implementation == "fa4":
-        reason = _fa4_unavailable_reason(dtype, head_dim, causal)
-        if reason is not None:
-            raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
+    if implementation not in (None, "fa4"):
+        raise ValueError(f'implementation must be None, "fa4" or "xla"; got {implementation=}')
+    reason = _platform.unavailable_reason(lambda arch: FwdVariant(arch, dtype_tag(dtype), head_dim, causal))
+    if reason is None:
         return "fa4"
-    raise ValueError(f'implementation must be None, "fa4" or "xla"; got {implementation=}')
-
-
-def _default_device():
-    return jax.devices()[0]
-
-
-def _fa4_unavailable_reason(dtype, head_dim: int, causal: bool) -> str | None:
-    """None when the FA4 kernel can serve this call on the default device; else why not."""
-    device = _default_device()
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or capability is None:
-        return (
-            f"the default device is {device.platform!r} ({device.device_kind}), not an NVIDIA Hopper GPU; "
-            'use implementation="xla" or None'
-        )
-    # The kernels are compiled for sm_90a, whose instructions (wgmma, setmaxnreg) exist only on 9.0.
-    if str(capability) != "9.0":
-        return (
-            f"the default GPU ({device.device_kind}) has compute capability {capability}; the FA4 kernels "
-            'are built for 9.0 (Hopper) only; use implementation="xla" or None'
-        )
-    try:
-        from fa4_jax import _ffi
-    except ImportError as e:
-        return f"the FFI loader fa4_jax._ffi cannot be imported ({e}). {_BUILD_HINT}"
-    variant = FwdVariant("sm90", dtype_tag(dtype), head_dim, causal)
-    built = _ffi.compiled_variants()
-    if not built:  # library missing or unloadable; library_status() says which and what to do
-        return f"the kernel library is unavailable: {_ffi.library_status()}"
-    if variant not in built:
-        return (
-            f"the kernel library has no variant {variant.symbol} (it has {len(built)}: "
-            f"{', '.join(sorted(v.symbol for v in built))}). Rebuild with that variant in "
-            f"FA4_JAX_VARIANTS (unset means the full default menu). {_BUILD_HINT}"
-        )
-    if not _ffi.register_targets():
-        return f"registering the FFI target {_ffi.FWD_TARGET} failed: {_ffi.library_status()}"
-    return None
-
+    if implementation == "fa4":
+        raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
+    return "xla"

@@ -17,6 +17,7 @@ import numpy as np
 
 from fa4_jax import _compat
 from fa4_jax._validation import check_flag, check_implementation, check_qkv, check_softmax_scale
+from fa4_jax.families import FWD
 from fa4_jax.reference import attention_reference
 
 fa4_fwd_p = _compat.Primitive("fa4_fwd")
@@ -86,11 +87,8 @@ def _cuda_lowering(ctx, q, k, v, *, softmax_scale, causal, implementation):
     if implementation != "fa4":
         return _reference_lowering(ctx, q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    implementation=implementation)
-    # Imported here so the package imports while the FFI loader (or its library) is absent.
-    from fa4_jax._ffi import FWD_TARGET
-
     # Attribute types are part of the FFI ABI: the handler binds causal as bool (i1), scale as f32.
-    return _compat.ffi_lowering(FWD_TARGET)(
+    return _compat.ffi_lowering(FWD.target)(
         ctx, q, k, v, causal=bool(causal), softmax_scale=np.float32(softmax_scale)
     )
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import FwdVariant, attention, attention_reference
+from fa4_jax import FwdVariant, _platform, attention, attention_reference
 from fa4_jax.primitive import fa4_fwd_p
 
 # `fa4_jax.attention` the attribute is the function; the module is only reachable by its import name.
@@ -198,20 +198,23 @@ def test_cpu_runs_xla(implementation):
 
 class FakeDevice:
     platform = "gpu"
+    id = 0
+    local_hardware_id = 3
 
     def __init__(self, capability="9.0", kind="NVIDIA H200"):
         self.compute_capability = capability
         self.device_kind = kind
 
 
-def fake_ffi(built=(), status="loaded /opt/libfa4_jax.so", registers=True):
-    """Stands in for fa4_jax._ffi (contract: compiled_variants, register_targets, library_status)."""
+def fake_ffi(built=(), status="loaded /opt/libfa4_jax.so", registers=True, load_error=None):
+    """Stands in for fa4_jax._ffi (contract: compiled_variants, register_targets, library_status,
+    prepare_variant)."""
     calls = []
     module = types.SimpleNamespace(
-        FWD_TARGET="fa4_jax_fwd_v1",
         library_status=lambda: status,
         compiled_variants=lambda: frozenset(built),
-        register_targets=lambda: calls.append(1) or registers,
+        register_targets=lambda: calls.append("register") or registers,
+        prepare_variant=lambda variant, ordinal: calls.append(("prepare", variant.symbol, ordinal)) or load_error,
     )
     return module, calls
 
@@ -219,7 +222,7 @@ def fake_ffi(built=(), status="loaded /opt/libfa4_jax.so", registers=True):
 @pytest.fixture
 def hopper(monkeypatch):
     """Pretends the default device is an H200 and installs a fake FFI loader; returns the installer."""
-    monkeypatch.setattr(api, "_default_device", lambda: FakeDevice())
+    monkeypatch.setattr(_platform, "default_device", lambda: FakeDevice())
 
     def install(**kw):
         module, calls = fake_ffi(**kw)
@@ -234,7 +237,8 @@ def test_resolves_fa4_when_variant_built(hopper):
     calls = hopper(built=[FwdVariant("sm90", "bf16", 64, True)])
     q, k, v = make_qkv(8)
     assert api.resolve_implementation(None, dtype=q.dtype, head_dim=64, causal=True) == "fa4"
-    assert calls, "the FFI target must be registered before the kernel is used"
+    # Registered, then loaded on the device's CUDA ordinal, before the kernel is chosen.
+    assert calls == ["register", ("prepare", "fa4_fwd_sm90_bf16_hd64_causal", 3)], calls
     # Bound with "fa4", but compiled here for CPU: the platform-specific lowering falls back to the
     # reference, so the result is still right.
     (eqn,) = bound_primitives(functools.partial(attention, causal=True), q, k, v)
@@ -257,7 +261,7 @@ def test_missing_variant(hopper):
         (dict(status="libfa4_jax.so was not built (looked for ...)"), r"library is unavailable: libfa4_jax.so was not built"),
         (
             dict(built=[FwdVariant("sm90", "fp16", 128, False)], registers=False, status="jax said no"),
-            r"registering the FFI target fa4_jax_fwd_v1 failed: jax said no",
+            r"registering the FFI targets failed: jax said no",
         ),
     ],
 )
@@ -269,8 +273,19 @@ def test_library_problems(hopper, ffi_kwargs, message):
         attention(q, k, v, implementation="fa4")
 
 
+def test_module_load_failure_falls_back(hopper):
+    # The library and variant are there, but the kernel does not load on this device (a broken
+    # driver, an exclusive-process GPU): None must pick the XLA path, "fa4" must say why.
+    calls = hopper(built=[FwdVariant("sm90", "bf16", 64, False)], load_error="cudaErrorNoKernelImageForDevice")
+    q, k, v = make_qkv(9)
+    assert api.resolve_implementation(None, dtype=q.dtype, head_dim=64, causal=False) == "xla"
+    with pytest.raises(RuntimeError, match=r"fa4_fwd_sm90_bf16_hd64_full does not load on NVIDIA H200 \(device 0\): cudaErrorNoKernelImageForDevice"):
+        attention(q, k, v, implementation="fa4")
+    assert ("prepare", "fa4_fwd_sm90_bf16_hd64_full", 3) in calls
+
+
 def test_non_hopper_gpu(monkeypatch):
-    monkeypatch.setattr(api, "_default_device", lambda: FakeDevice("8.0", "NVIDIA A100"))
+    monkeypatch.setattr(_platform, "default_device", lambda: FakeDevice("8.0", "NVIDIA A100"))
     q, k, v = make_qkv(11)
     assert api.resolve_implementation(None, dtype=q.dtype, head_dim=64, causal=False) == "xla"
     with pytest.raises(RuntimeError, match=r"compute capability 8\.0"):
@@ -278,7 +293,7 @@ def test_non_hopper_gpu(monkeypatch):
 
 
 def test_missing_ffi_module(monkeypatch):
-    monkeypatch.setattr(api, "_default_device", lambda: FakeDevice())
+    monkeypatch.setattr(_platform, "default_device", lambda: FakeDevice())
     monkeypatch.setitem(sys.modules, "fa4_jax._ffi", None)  # makes the import raise ImportError
     monkeypatch.delattr(fa4_jax, "_ffi", raising=False)
     q, k, v = make_qkv(12)

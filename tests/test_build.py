@@ -19,13 +19,16 @@ import subprocess
 import pytest
 
 from fa4_jax import _ffi
-from fa4_jax.variants import FwdVariant, menu_from_env
+from fa4_jax.families import FAMILIES, menu_from_env, variant_from_symbol
 
+# The library's whole C ABI (ffi/runtime.cc); every family's handlers are reached through it.
 EXPORTS = {
+    "fa4_jax_num_targets",
+    "fa4_jax_target_name",
+    "fa4_jax_ffi_handler",
     "fa4_jax_num_variants",
     "fa4_jax_variant_symbol",
-    f"{_ffi.FWD_TARGET}_instantiate",
-    f"{_ffi.FWD_TARGET}_execute",
+    "fa4_jax_prepare_variant",
 }
 
 
@@ -46,6 +49,8 @@ def lib(lib_path):
     lib.fa4_jax_num_variants.restype = ctypes.c_int
     lib.fa4_jax_variant_symbol.argtypes = (ctypes.c_int,)
     lib.fa4_jax_variant_symbol.restype = ctypes.c_char_p
+    lib.fa4_jax_target_name.argtypes = (ctypes.c_int,)
+    lib.fa4_jax_target_name.restype = ctypes.c_char_p
     return lib
 
 
@@ -71,7 +76,7 @@ def test_variant_symbols(lib, lib_symbols):
     assert lib_symbols, "library was built with no kernel variant"
     assert len(set(lib_symbols)) == len(lib_symbols), lib_symbols
     for s in lib_symbols:
-        assert FwdVariant.from_symbol(s).symbol == s
+        assert variant_from_symbol(s).symbol == s
     n = lib.fa4_jax_num_variants()
     assert lib.fa4_jax_variant_symbol(n) is None
     assert lib.fa4_jax_variant_symbol(-1) is None
@@ -91,7 +96,7 @@ def test_full_menu_unless_narrowed(lib_symbols, built_menu):
 
 
 def test_ffi_loader(lib_path, lib_symbols):
-    assert _ffi.compiled_variants() == frozenset(FwdVariant.from_symbol(s) for s in lib_symbols)
+    assert _ffi.compiled_variants() == frozenset(variant_from_symbol(s) for s in lib_symbols)
     assert str(lib_path) in _ffi.library_status() or os.environ.get(_ffi.LIBRARY_ENV)
     # Registration for platform CUDA works without a GPU: jax defers it until a CUDA backend exists.
     assert _ffi.register_targets(), _ffi.library_status()
@@ -110,3 +115,38 @@ def test_dynamic_symbol_table(lib_path):
     undefined = nm("--undefined-only")
     # Loadable without a GPU stack and without Python: no CUDA, driver or CPython symbols needed.
     assert not {s for s in undefined if s.startswith(("cu", "Py", "_Py"))}, sorted(undefined)
+
+
+def test_targets_and_handlers(lib, built_menu):
+    # One FFI target per family present in the build, each with both handler stages.
+    n = lib.fa4_jax_num_targets()
+    names = [lib.fa4_jax_target_name(i).decode() for i in range(n)]
+    assert names == list(built_menu["families"].values())
+    assert set(names) <= {f.target for f in FAMILIES}
+    lib.fa4_jax_ffi_handler.restype = ctypes.c_void_p
+    lib.fa4_jax_ffi_handler.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+    for name in names:
+        for stage in _ffi.STAGES:
+            assert lib.fa4_jax_ffi_handler(name.encode(), stage.encode()), (name, stage)
+        assert not lib.fa4_jax_ffi_handler(name.encode(), b"prepare")
+    assert not lib.fa4_jax_ffi_handler(b"no_such_target", b"execute")
+    assert lib.fa4_jax_target_name(n) is None
+    assert _ffi.targets() == tuple(names)
+
+
+def _prepare(lib, symbol, device=0):
+    lib.fa4_jax_prepare_variant.restype = ctypes.c_int
+    lib.fa4_jax_prepare_variant.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
+    err = ctypes.create_string_buffer(256)
+    return lib.fa4_jax_prepare_variant(symbol.encode(), device, err, len(err)), err.value.decode()
+
+
+def test_prepare_reports_errors_as_text(lib, lib_symbols, monkeypatch):
+    # Loading must fail politely (a return code and a sentence), never crash the process: on this
+    # GPU-less machine the CUDA runtime itself refuses, and unknown symbols/devices are named.
+    assert _prepare(lib, "fa4_fwd_sm90_bf16_hd32_full") == (1, "this library has no variant fa4_fwd_sm90_bf16_hd32_full")
+    rc, msg = _prepare(lib, lib_symbols[0], device=64)
+    assert rc == 1 and "out of range" in msg
+    monkeypatch.setenv("FA4_JAX_FAIL_MODULE_LOAD", "all")
+    rc, msg = _prepare(lib, lib_symbols[0])
+    assert rc == 1 and msg.endswith("simulated by FA4_JAX_FAIL_MODULE_LOAD"), msg

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import fa4_jax
-from fa4_jax.variants import FwdVariant, default_menu
+from fa4_jax.families import FWD, FwdVariant, default_menu
 
 pytestmark = pytest.mark.gpu
 
@@ -390,7 +390,7 @@ def _raw_ffi_call(q, k, v, *, causal=False, softmax_scale=0.125):
 
     b, s_q, h_q, d = q.shape
     call = jax.ffi.ffi_call(
-        _ffi.FWD_TARGET,
+        FWD.target,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32)),
     )
     return call(q, k, v, causal=bool(causal), softmax_scale=np.float32(softmax_scale))

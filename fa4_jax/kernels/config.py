@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.variants import FwdVariant
+from fa4_jax.families.fwd import FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA.
 SM90_SMEM_BYTES = 227 * 1024

@@ -1,0 +1,92 @@
+"""Can an fa4_jax kernel run here? The one place that answers it.
+
+The public API asks before choosing the kernel (implementation=None falls back to the XLA reference
+when the answer is no; implementation="fa4" raises with the reason); the tests' `gpu` marker and the
+examples ask the same functions. "Here" means: the device is a GPU whose compute capability has
+kernels (fa4_jax.families.ARCH_CC), the built library has the requested variant, its FFI targets are
+registered, and the variant's module actually loads on that device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fa4_jax.families import ARCH_CC, default_menu
+
+_BUILD_HINT = (
+    "Build the kernel library with `pip install .` (or `python tools/build_inplace.py`) on a machine "
+    "with the CUDA toolkit, or point FA4_JAX_LIBRARY at a built libfa4_jax.so."
+)
+# "9.0" -> "sm90": jax reports compute capability as "major.minor".
+_ARCH_BY_CAPABILITY = {f"{cc // 10}.{cc % 10}": arch for arch, cc in ARCH_CC.items()}
+
+
+def default_device():
+    import jax
+
+    return jax.devices()[0]
+
+
+def device_arch(device) -> str | None:
+    """The kernel architecture of `device` ("sm90"), or None for a CPU or an unknown GPU."""
+    if getattr(device, "platform", None) != "gpu":
+        return None
+    return _ARCH_BY_CAPABILITY.get(str(getattr(device, "compute_capability", "")))
+
+
+def shipped_arches() -> frozenset[str]:
+    """Architectures the default build has kernels for (today: Hopper)."""
+    return frozenset(v.arch for v in default_menu())
+
+
+def _arch_names(arches) -> str:
+    names = {"sm90": "9.0 (Hopper)", "sm100": "10.0 (Blackwell)"}
+    return ", ".join(names.get(a, a) for a in sorted(arches))
+
+
+def device_unavailable_reason(device) -> str | None:
+    """None when `device` is a GPU of an architecture the default build ships kernels for."""
+    capability = getattr(device, "compute_capability", None)
+    if getattr(device, "platform", None) != "gpu" or capability is None:
+        return (
+            f"the default device is {getattr(device, 'platform', '?')!r} ({getattr(device, 'device_kind', '?')}), "
+            'not an NVIDIA Hopper GPU; use implementation="xla" or None'
+        )
+    arch = device_arch(device)
+    if arch not in shipped_arches():
+        return (
+            f"the default GPU ({device.device_kind}) has compute capability {capability}; the fa4_jax kernels "
+            f'are built for {_arch_names(shipped_arches())} only; use implementation="xla" or None'
+        )
+    return None
+
+
+def unavailable_reason(make_variant: Callable[[str], object], device=None) -> str | None:
+    """None when the kernel `make_variant(arch)` can serve a call on `device` (default: jax's
+    default device); otherwise a sentence saying why not and what to do."""
+    device = default_device() if device is None else device
+    reason = device_unavailable_reason(device)
+    if reason is not None:
+        return reason
+    variant = make_variant(device_arch(device))
+    try:
+        from fa4_jax import _ffi
+    except ImportError as e:
+        return f"the FFI loader fa4_jax._ffi cannot be imported ({e}). {_BUILD_HINT}"
+    built = _ffi.compiled_variants()
+    if not built:  # library missing or unloadable; library_status() says which and what to do
+        return f"the kernel library is unavailable: {_ffi.library_status()}"
+    if variant not in built:
+        same_family = sorted(v.symbol for v in built if type(v) is type(variant))
+        return (
+            f"the kernel library has no variant {variant.symbol} (it has {len(same_family)} of its family: "
+            f"{', '.join(same_family)}). Rebuild with that variant in FA4_JAX_VARIANTS (unset means the "
+            f"full default menu). {_BUILD_HINT}"
+        )
+    if not _ffi.register_targets():
+        return f"registering the FFI targets failed: {_ffi.library_status()}"
+    ordinal = getattr(device, "local_hardware_id", None)
+    problem = _ffi.prepare_variant(variant, device.id if ordinal is None else ordinal)
+    if problem is not None:
+        return f"the kernel {variant.symbol} does not load on {device.device_kind} (device {device.id}): {problem}"
+    return None

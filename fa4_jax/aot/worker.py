@@ -1,0 +1,64 @@
+"""Compiling and exporting variants in worker processes (the only place `cutlass` is imported)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+class AotError(RuntimeError):
+    """A build failure with a message meant for the person running the build."""
+
+
+def compile_one(symbol: str, out_dir: str) -> dict:
+    """Compile + export one variant. Returns timings, or the formatted error (exceptions from the
+    DSL do not always pickle, so the worker sends text back)."""
+    t0 = time.perf_counter()
+    try:
+        from fa4_jax.families import family_of, variant_from_symbol
+
+        variant = variant_from_symbol(symbol)
+        module_name, _, fn_name = family_of(variant).compile.partition(":")
+        compile_variant = getattr(importlib.import_module(module_name), fn_name)  # imports cutlass
+        t1 = time.perf_counter()
+        compiled = compile_variant(variant)
+        t2 = time.perf_counter()
+        # Export into a private temp dir, then move: a killed build leaves no half-written S.o
+        # next to a valid S.h.
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{symbol}.") as tmp:
+            compiled.export_to_c(file_path=tmp, file_name=symbol, function_prefix=symbol)
+            for ext in (".h", ".o"):
+                src = Path(tmp) / f"{symbol}{ext}"
+                if not src.is_file():
+                    raise AotError(f"export_to_c did not write {src.name}")
+                os.replace(src, Path(out_dir) / f"{symbol}{ext}")
+        t3 = time.perf_counter()
+        return {"symbol": symbol, "import_s": t1 - t0, "compile_s": t2 - t1, "export_s": t3 - t2}
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        return {"symbol": symbol, "error": traceback.format_exc()}
+
+
+def compile_all(symbols: list[str], out_dir: Path, jobs: int, on_done) -> None:
+    if jobs <= 1 or len(symbols) <= 1:
+        # In-process: one variant (the common iteration case) does not pay for a spawned worker
+        # re-importing the DSL, and tracebacks/pdb work directly.
+        for s in symbols:
+            on_done(compile_one(s, str(out_dir)))
+        return
+    # spawn, not fork: the DSL holds MLIR contexts and threads that do not survive fork.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(compile_one, s, str(out_dir)) for s in symbols]
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                on_done(fut.result())
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise

@@ -1,0 +1,94 @@
+"""The registry of kernel families (see fa4_jax/families/base.py) and the build menu.
+
+Adding a family: describe it in a new module here (its variant dataclass and KernelFamily), add it
+to FAMILIES, write its kernel under fa4_jax/kernels/ and its handler under ffi/. Nothing else lists
+families: the exporter, CMake, the generated C++ registry and fa4_jax._ffi all iterate FAMILIES.
+
+Pure Python (no cutlass, no jax): imported at build time and at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+from fa4_jax.families.base import ARCH_CC, DTYPES, KernelFamily, Variant
+from fa4_jax.families.fwd import FWD, HEAD_DIMS, FwdVariant
+
+FAMILIES: tuple[KernelFamily, ...] = (FWD,)
+
+MENU_ENV = "FA4_JAX_VARIANTS"
+
+__all__ = [
+    "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KernelFamily", "MENU_ENV",
+    "Variant", "default_menu", "family_of", "menu_from_env", "variant_from_symbol",
+]
+
+
+def family_of(variant) -> KernelFamily:
+    for fam in FAMILIES:
+        if isinstance(variant, fam.variant):
+            return fam
+    raise TypeError(f"{variant!r} is not a variant of any kernel family")
+
+
+def variant_from_symbol(symbol: str):
+    """The variant an exported symbol names, whatever its family; ValueError if none."""
+    for fam in FAMILIES:
+        if symbol.startswith(fam.variant.FAMILY_PREFIX + "_"):
+            return fam.variant.from_symbol(symbol)
+    raise ValueError(f"{symbol=} names no variant of the families {[f.name for f in FAMILIES]}")
+
+
+def default_menu() -> tuple:
+    """Every variant of every family that `pip install` builds by default."""
+    return tuple(v for fam in FAMILIES for v in fam.default_menu())
+
+
+def _parse_pattern(pattern: str) -> tuple[str | None, dict[str, str]]:
+    """`[family:]field=value[,field=value...]` -> (family name or None, {field: value})."""
+    family, sep, rest = pattern.partition(":")
+    if not sep:
+        family, rest = None, pattern
+    want = {}
+    for item in rest.split(","):
+        if not item.strip():
+            continue
+        key, _, value = item.strip().partition("=")
+        want[key.strip()] = value.strip().lower()
+    return (family.strip() if family else None), want
+
+
+def menu_from_env(environ=os.environ) -> tuple:
+    """The build menu, narrowed by FA4_JAX_VARIANTS for quick iteration.
+
+    FA4_JAX_VARIANTS holds `;`-separated patterns `[family:]field=value[,field=value]`; a variant is
+    built when it matches any pattern (a pattern without `family:` applies to every family that has
+    all the fields it names). Examples:
+      FA4_JAX_VARIANTS="dtype=bf16,head_dim=128"             -> every family, bf16 hd128 only
+      FA4_JAX_VARIANTS="fwd:head_dim=64;fwd:head_dim=128,causal=true"
+    Unset or empty means the full default menu.
+    """
+    spec = environ.get(MENU_ENV, "").strip()
+    menu = default_menu()
+    if not spec:
+        return menu
+    patterns = [_parse_pattern(p) for p in spec.split(";") if p.strip()]
+    known = {f.name: {x.name for x in fields(f.variant)} for f in FAMILIES}
+    for family, want in patterns:
+        if family is not None and family not in known:
+            raise ValueError(f"{MENU_ENV}: unknown family {family!r}; expected one of {sorted(known)}")
+        candidates = [family] if family else list(known)
+        if not any(set(want) <= known[f] for f in candidates):
+            bad = sorted(set(want) - set().union(*(known[f] for f in candidates)))
+            raise ValueError(f"{MENU_ENV}: unknown field(s) {bad}; fields are {known}")
+
+    def chosen(v) -> bool:
+        fam = family_of(v).name
+        names = known[fam]
+        return any((f in (None, fam)) and set(want) <= names and v.matches(want) for f, want in patterns)
+
+    picked = tuple(v for v in menu if chosen(v))
+    if not picked:
+        raise ValueError(f"{MENU_ENV}={spec!r} selects no variant of the default menu")
+    return picked

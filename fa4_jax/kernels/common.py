@@ -1,0 +1,41 @@
+"""Build-time helpers shared by the kernel families' entry modules: fake tensors and compile options."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from fa4_jax.families.base import GPU_ARCH_FLAG
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+# Without an explicit host target the export fails on a GPU-less machine (GUIDE.md §2).
+_HOST_TARGET = "--host-target 'llvm -mtriple=x86_64-unknown-linux-gnu'"
+
+
+def compile_options(arch: str) -> str:
+    return f"--gpu-arch {GPU_ARCH_FLAG[arch]} {_HOST_TARGET}"
+
+
+# Dynamic strides must be 64-bit SymInts: the exported C struct always declares `int64_t
+# dynamic_strides[]`, but a default (32-bit) SymInt stride makes the compiled code read the fields
+# as packed int32 -- every stride but one silently becomes 0 (seen with cutlass-dsl 4.8.1).
+def stride(divisibility: int = 1):
+    return cute.sym_int64(divisibility=divisibility)
+
+
+def fake_bshd(dtype, head_dim: int):
+    """(batch, seqlen, heads, head_dim): dynamic b/s/h and strides, static unit-stride head_dim.
+
+    Strides are multiples of 8 elements (16 bytes) because head_dim is a multiple of 16: TMA
+    requires 16-byte aligned global strides, and declaring it lets the compiler prove it."""
+    b, s, h = cute.SymInt(), cute.SymInt(), cute.SymInt()
+    sb, ss, sh = (stride(8) for _ in range(3))
+    return make_fake_tensor(dtype, (b, s, h, head_dim), (sb, ss, sh, 1), assumed_align=16)
+
+
+def fake_f32(rank: int):
+    """A float32 tensor of `rank` dynamic modes, the last one unit-stride (e.g. LSE (b, h, s))."""
+    shape = tuple(cute.SymInt() for _ in range(rank))
+    strides = tuple(stride() for _ in range(rank - 1)) + (1,)
+    return make_fake_tensor(cutlass.Float32, shape, strides, assumed_align=4)

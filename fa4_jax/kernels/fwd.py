@@ -1,0 +1,33 @@
+"""Entry point of the dense forward family (fa4_jax/families/fwd.py): compile one FwdVariant.
+
+The fake tensors below are the family's exported C ABI; `fa4_jax.aot` checks the generated header
+against FWD.tensors / FWD.scalars, so a change here that is not mirrored there fails the build.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from fa4_jax.families.fwd import FwdVariant
+from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32
+
+
+def make_kernel(variant: FwdVariant):
+    if variant.arch == "sm90":
+        from fa4_jax.kernels.config import Sm90FwdConfig
+        from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
+
+        return FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(variant), variant.causal)
+    raise NotImplementedError(f"no forward kernel for {variant.arch=} yet")
+
+
+def compile_variant(variant: FwdVariant):
+    """Compile one variant for its architecture, GPU-blind. Returns the compiled object."""
+    dtype = DTYPES[variant.dtype]
+    q, k, v, o = (fake_bshd(dtype, variant.head_dim) for _ in range(4))
+    return cute.compile(
+        make_kernel(variant), q, k, v, o, fake_f32(3), cutlass.Float32(1.0), cuda.CUstream(0),
+        options=compile_options(variant.arch),
+    )
