@@ -28,7 +28,18 @@ bool SimulatedLoadFailure(const char *symbol) {
   return std::strcmp(v, "all") == 0 || std::strstr(symbol, v) != nullptr;
 }
 
-std::atomic<int> g_cc_cache[kMaxDevices];  // 0 = not queried yet
+// Per-device attribute caches (0 = not queried yet): execute asks on every call.
+std::atomic<int> g_cc_cache[kMaxDevices];
+std::atomic<int> g_sm_cache[kMaxDevices];
+
+int CachedAttribute(std::atomic<int> *cache, int device, int (*query)(int)) {
+  if (device >= 0 && device < kMaxDevices) {
+    if (int cached = cache[device].load(std::memory_order_relaxed); cached > 0) return cached;
+  }
+  const int value = query(device);
+  if (value > 0 && device >= 0 && device < kMaxDevices) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
 
 }  // namespace
 
@@ -72,16 +83,20 @@ int CurrentDevice() {
 }
 
 int ComputeCapability(int device) {
-  if (device >= 0 && device < kMaxDevices) {
-    if (int cached = g_cc_cache[device].load(std::memory_order_relaxed); cached > 0) return cached;
-  }
-  int major = 0, minor = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (err != cudaSuccess) return -static_cast<int>(err);
-  const int cc = major * 10 + minor;
-  if (device >= 0 && device < kMaxDevices) g_cc_cache[device].store(cc, std::memory_order_relaxed);
-  return cc;
+  return CachedAttribute(g_cc_cache, device, [](int dev) {
+    int major = 0, minor = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return err == cudaSuccess ? major * 10 + minor : -static_cast<int>(err);
+  });
+}
+
+int MultiprocessorCount(int device) {
+  return CachedAttribute(g_sm_cache, device, [](int dev) {
+    int n = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return err == cudaSuccess ? n : -static_cast<int>(err);
+  });
 }
 
 ffi::Error PrepareForLaunch(const char *target, const VariantInfo &v, cudaStream_t stream, int device) {

@@ -69,6 +69,8 @@ inline bool IsLoaded(const VariantInfo &v, int device) {
 int CurrentDevice();
 // major*10+minor of `device` (cached), or a negative cudaError_t.
 int ComputeCapability(int device);
+// The number of SMs of `device` (cached), or a negative cudaError_t: persistent kernels' grid size.
+int MultiprocessorCount(int device);
 
 std::string CudaErrorText(cudaError_t e);
 std::string DimsText(ffi::AnyBuffer::Dimensions dims);

@@ -13,15 +13,15 @@ import os
 from dataclasses import fields
 
 from fa4_jax.families.base import ARCH_CC, DTYPES, KernelFamily, Variant
-from fa4_jax.families.fwd import FWD, HEAD_DIMS, FwdVariant
+from fa4_jax.families.fwd import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
 
 FAMILIES: tuple[KernelFamily, ...] = (FWD,)
 
 MENU_ENV = "FA4_JAX_VARIANTS"
 
 __all__ = [
-    "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KernelFamily", "MENU_ENV",
-    "Variant", "default_menu", "family_of", "menu_from_env", "variant_from_symbol",
+    "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KernelFamily", "MASKS", "MENU_ENV",
+    "Variant", "default_menu", "family_of", "mask_kind", "menu_from_env", "variant_from_symbol",
 ]
 
 
@@ -66,7 +66,7 @@ def menu_from_env(environ=os.environ) -> tuple:
     built when it matches any pattern (a pattern without `family:` applies to every family that has
     all the fields it names). Examples:
       FA4_JAX_VARIANTS="dtype=bf16,head_dim=128"             -> every family, bf16 hd128 only
-      FA4_JAX_VARIANTS="fwd:head_dim=64;fwd:head_dim=128,causal=true"
+      FA4_JAX_VARIANTS="fwd:head_dim=64;fwd:head_dim=128,mask=causal,softcap=false"
     Unset or empty means the full default menu.
     """
     spec = environ.get(MENU_ENV, "").strip()

@@ -19,23 +19,41 @@ from fa4_jax.families.base import (
     arch_literal,
     bool_literal,
     dtype_literal,
+    enum_literal,
     int_literal,
     parse_hd,
 )
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
+# What the inner loop must know at compile time about masking: none (only the ragged seqlen_k tail),
+# causal (bottom-right diagonal), local (a two-sided window whose bounds are kernel arguments).
+MASKS = ("full", "causal", "local")
+
+
+def mask_kind(window_left: int, window_right: int) -> str:
+    """The kernel's mask kind for a normalised window (see fa4_jax._validation.check_window)."""
+    if window_left < 0 and window_right < 0:
+        return "full"
+    if window_left < 0 and window_right == 0:
+        return "causal"
+    return "local"
 
 
 @dataclass(frozen=True, order=True)
 class FwdVariant(Variant):
-    """One forward-attention kernel: architecture x dtype x head_dim x mask kind."""
+    """One forward-attention kernel: architecture x dtype x head_dim x mask kind x softcap.
+
+    Runtime values (window bounds, softcap value, sinks, scale) are kernel arguments; only what
+    changes the inner loop is here: the mask kind and whether scores go through a tanh cap.
+    """
 
     FAMILY_PREFIX = "fa4_fwd"
 
     arch: str = "sm90"
     dtype: str = "bf16"
     head_dim: int = 128
-    causal: bool = False
+    mask: str = "full"
+    softcap: bool = False
 
     def __post_init__(self):
         if self.arch not in ARCH_CC:
@@ -44,27 +62,35 @@ class FwdVariant(Variant):
             raise ValueError(f"unsupported dtype: {self.dtype=}; expected one of {DTYPES}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"unsupported head_dim: {self.head_dim=}; expected one of {HEAD_DIMS}")
-        if not isinstance(self.causal, bool):
-            raise TypeError(f"causal must be a bool: {self.causal=}")
+        if self.mask not in MASKS:
+            raise ValueError(f"unsupported mask: {self.mask=}; expected one of {MASKS}")
+        if not isinstance(self.softcap, bool):
+            raise TypeError(f"softcap must be a bool: {self.softcap=}")
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
 
     def _symbol_parts(self):
-        return (self.arch, self.dtype, f"hd{self.head_dim}", "causal" if self.causal else "full")
+        parts = [self.arch, self.dtype, f"hd{self.head_dim}", self.mask]
+        return (*parts, "softcap") if self.softcap else tuple(parts)
 
     @classmethod
     def _from_parts(cls, parts):
-        arch, dtype, hd, mask = parts
-        if mask not in ("causal", "full"):
-            raise ValueError(f"unknown mask {mask!r}")
-        return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), causal=(mask == "causal"))
+        if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "softcap"):
+            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap], got {'_'.join(parts)!r}")
+        arch, dtype, hd, mask = parts[:4]
+        return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap=len(parts) == 5)
 
 
 def default_menu() -> tuple[FwdVariant, ...]:
     """Every forward variant `pip install` builds by default (Hopper kernels only for now)."""
     return tuple(
-        FwdVariant("sm90", dtype, hd, causal)
+        FwdVariant("sm90", dtype, hd, mask, softcap)
         for dtype in DTYPES
         for hd in HEAD_DIMS
-        for causal in (False, True)
+        for mask in MASKS
+        for softcap in (False, True)
     )
 
 
@@ -77,18 +103,24 @@ def _bshd(name: str, ptr: str, seq: str, heads: str, stride: str) -> TensorArg:
 
 FWD = KernelFamily(
     name="fwd",
-    target="fa4_jax_fwd_v1",
+    # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
+    target="fa4_jax_fwd_v2",
     variant=FwdVariant,
     params=(
         # void* rather than const: the exported structs hold `void *data`; q/k/v are read-only.
         Field("void *", "q"), Field("void *", "k"), Field("void *", "v"), Field("void *", "o"),
         Field("float *", "lse"),
+        Field("float *", "sinks", "(h_q,) per-head logits joining the softmax denominator; -inf = none"),
         Field("int32_t", "b"), Field("int32_t", "s_q"), Field("int32_t", "s_k"),
         Field("int32_t", "h_q"), Field("int32_t", "h_k"),
         Field("int64_t", "q_stride[3]", "{batch, seq, head} in elements; head_dim stride is 1"),
         Field("int64_t", "k_stride[3]"), Field("int64_t", "v_stride[3]"), Field("int64_t", "o_stride[3]"),
         Field("int64_t", "lse_stride[2]", "{batch, head}; the seq stride is 1"),
-        Field("float", "softmax_scale_log2", "softmax_scale * log2(e): the kernels use exp2"),
+        Field("float", "softmax_scale_log2", "log2(e) * (softcap if softcap else softmax_scale): the kernels use exp2"),
+        Field("float", "softcap_prescale", "softmax_scale / softcap: scores become tanh(s * this)"),
+        Field("int32_t", "window_left", "local mask: keys [i + s_k - s_q - left, i + s_k - s_q + right]"),
+        Field("int32_t", "window_right", "clamped to s_k / s_q by the handler when unbounded"),
+        Field("int32_t", "max_ctas", "persistent grid size: the device's SM count"),
     ),
     tensors=(
         _bshd("mQ", "q", "s_q", "h_q", "q_stride"),
@@ -96,15 +128,23 @@ FWD = KernelFamily(
         _bshd("mV", "v", "s_k", "h_k", "v_stride"),
         _bshd("mO", "o", "s_q", "h_q", "o_stride"),
         TensorArg("mLSE", "p.lse", ("p.b", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
+        TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
-    scalars=(ScalarArg("float", "softmax_scale_log2", "p.softmax_scale_log2"),),
+    scalars=(
+        ScalarArg("float", "softmax_scale_log2", "p.softmax_scale_log2"),
+        ScalarArg("float", "softcap_prescale", "p.softcap_prescale"),
+        ScalarArg("int32_t", "window_left", "p.window_left"),
+        ScalarArg("int32_t", "window_right", "p.window_right"),
+        ScalarArg("int32_t", "max_ctas", "p.max_ctas"),
+    ),
     key=(
         KeyField("arch", "int", arch_literal),
         KeyField("dtype", "::fa4_jax::DType", dtype_literal),
         KeyField("head_dim", "int", int_literal),
-        KeyField("causal", "bool", bool_literal),
+        KeyField("mask", "Mask", enum_literal("Mask")),
+        KeyField("softcap", "bool", bool_literal),
     ),
-    enums={},
+    enums={"Mask": MASKS},
     handler="ffi/fwd.cc",
     compile="fa4_jax.kernels.fwd:compile_variant",
     default_menu=default_menu,

@@ -34,8 +34,10 @@ def fake_bshd(dtype, head_dim: int):
     return make_fake_tensor(dtype, (b, s, h, head_dim), (sb, ss, sh, 1), assumed_align=16)
 
 
-def fake_f32(rank: int):
-    """A float32 tensor of `rank` dynamic modes, the last one unit-stride (e.g. LSE (b, h, s))."""
+def fake_f32(rank: int, unit_stride: bool = True):
+    """A float32 tensor of `rank` dynamic modes, the last one unit-stride (e.g. LSE (b, h, s)) unless
+    `unit_stride` is False (then every stride is dynamic: the exported struct always has a strides
+    array, which keeps every tensor argument of the ABI the same shape)."""
     shape = tuple(cute.SymInt() for _ in range(rank))
-    strides = tuple(stride() for _ in range(rank - 1)) + (1,)
+    strides = tuple(stride() for _ in range(rank - 1)) + ((1,) if unit_stride else (stride(),))
     return make_fake_tensor(cutlass.Float32, shape, strides, assumed_align=4)

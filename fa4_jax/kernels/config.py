@@ -55,11 +55,22 @@ class Sm90FwdConfig:
         return 128 * (self.num_consumer_wg + 1)
 
     @property
-    def smem_bytes(self) -> int:
+    def _base_smem_bytes(self) -> int:
         elem = 2  # bf16 / fp16
-        q = self.tile_m * self.head_dim * elem  # O reuses Q's buffer in the epilogue
+        q = self.tile_m * self.head_dim * elem
         kv = 2 * self.stages * self.tile_n * self.head_dim * elem
         return q + kv + 1024  # mbarriers + alignment slack
+
+    @property
+    def separate_o(self) -> bool:
+        """O gets its own smem staging buffer when it fits (hd <= 128). The persistent kernel then
+        loads the next tile's Q while this tile's last PV gemm, epilogue and O store run; otherwise
+        O reuses Q's buffer and the next Q waits for the store to have read it."""
+        return self._base_smem_bytes + self.tile_m * self.head_dim * 2 <= SM90_SMEM_BYTES
+
+    @property
+    def smem_bytes(self) -> int:
+        return self._base_smem_bytes + (self.tile_m * self.head_dim * 2 if self.separate_o else 0)
 
     @classmethod
     def for_variant(cls, v: FwdVariant) -> "Sm90FwdConfig":

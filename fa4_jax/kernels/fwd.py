@@ -19,7 +19,7 @@ def make_kernel(variant: FwdVariant):
         from fa4_jax.kernels.config import Sm90FwdConfig
         from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
-        return FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(variant), variant.causal)
+        return FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(variant), variant.mask, variant.softcap)
     raise NotImplementedError(f"no forward kernel for {variant.arch=} yet")
 
 
@@ -27,7 +27,10 @@ def compile_variant(variant: FwdVariant):
     """Compile one variant for its architecture, GPU-blind. Returns the compiled object."""
     dtype = DTYPES[variant.dtype]
     q, k, v, o = (fake_bshd(dtype, variant.head_dim) for _ in range(4))
+    lse, sinks = fake_f32(3), fake_f32(1, unit_stride=False)
+    scale_log2, softcap_prescale = cutlass.Float32(1.0), cutlass.Float32(1.0)
+    window_left, window_right, max_ctas = cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1)
     return cute.compile(
-        make_kernel(variant), q, k, v, o, fake_f32(3), cutlass.Float32(1.0), cuda.CUstream(0),
-        options=compile_options(variant.arch),
+        make_kernel(variant), q, k, v, o, lse, sinks, scale_log2, softcap_prescale, window_left, window_right,
+        max_ctas, cuda.CUstream(0), options=compile_options(variant.arch),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -11,6 +12,7 @@ from cutlass import Float32, const_expr
 from fa4_jax.kernels.utils import acc_as_mn, quad_allreduce_max, quad_allreduce_sum, row_max, row_sum
 
 
+@dataclass(frozen=True)  # frozen: usable inside a kernel's dynamic tile loop (see tile_scheduler.py)
 class OnlineSoftmax:
     """Running row max / row sum for the rows this thread owns.
 
@@ -20,10 +22,14 @@ class OnlineSoftmax:
     thread of a quad applies the same rescale factor, so partial sums stay consistent.
     """
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
-        self.scale_log2 = scale_log2
-        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
-        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+    scale_log2: Float32
+    row_max: cute.Tensor  # per row this thread owns; the tensors' contents change, the fields do not
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        return OnlineSoftmax(scale_log2, cute.make_rmem_tensor(num_rows, Float32),
+                             cute.make_rmem_tensor(num_rows, Float32))
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
@@ -52,19 +58,37 @@ class OnlineSoftmax:
         return scale
 
     @cute.jit
-    def finalize(self) -> cute.Tensor:
-        """Return 1/rowsum per row and overwrite `row_sum` with the natural-log LSE.
+    def finalize(self, sink_log2: Float32) -> cute.Tensor:
+        """Return the factor that normalises each row of O, and overwrite `row_sum` with the LSE
+        (natural log).
 
-        A row that saw no key (all masked) has sum 0: its output stays 0 and its LSE is -inf.
+        `sink_log2` is the row's attention-sink logit times log2(e) (-inf: no sink): it joins the
+        denominator with no value row. The running sum is relative to the row max m, so with
+        M = max(m * scale_log2, sink_log2) the denominator is 2^M * (sum * 2^(m' - M) + 2^(sink - M))
+        (m' = m * scale_log2) and O's factor 2^(m' - M) / (...): both exponents are <= 0, so a sink
+        far above the scores cannot overflow. A row that saw no key and has no sink has sum 0: its
+        output stays 0 and its LSE is -inf; with a sink its LSE is the sink logit.
         """
         inv = cute.make_rmem_tensor(self.row_max.layout, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = quad_allreduce_sum(self.row_sum[r])
-            empty = total == 0.0 or total != total
-            inv[r] = cute.arch.rcp_approx(1.0 if empty else total)
-            lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+            m_scaled = self.row_max[r] * self.scale_log2
+            big = cute.arch.fmax(m_scaled, sink_log2)
+            big_safe = 0.0 if big == -Float32.inf else big
+            o_scale = cute.math.exp2(m_scaled - big_safe, fastmath=True)
+            denom = total * o_scale + cute.math.exp2(sink_log2 - big_safe, fastmath=True)
+            empty = denom == 0.0 or denom != denom
+            inv[r] = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
+            lse = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)
             self.row_sum[r] = -Float32.inf if empty else lse
         return inv
+
+    @staticmethod
+    @cute.jit
+    def softcap(acc_S: cute.Tensor, prescale: Float32):
+        """Logit softcapping, in place: s -> tanh(s * softmax_scale / cap). The cap itself and
+        log2(e) live in `scale_log2`, so the softmax then sees cap * tanh(s * softmax_scale / cap)."""
+        acc_S.store(cute.math.tanh(acc_S.load() * prescale, fastmath=True))
 
     @staticmethod
     @cute.jit

@@ -5,7 +5,8 @@ set -euo pipefail
 dir=$1; sym=$2; out=$3
 dsl=$(${PYTHON:-python} -c "import nvidia_cutlass_dsl, os; print(os.path.join(nvidia_cutlass_dsl.__path__[0], 'cu13', 'lib'))")
 hd=$(echo "$sym" | sed -E 's/.*_hd([0-9]+)_.*/\1/')
-causal=0; [[ $sym == *_causal ]] && causal=1
+mask=0; [[ $sym == *_causal* ]] && mask=1; [[ $sym == *_local* ]] && mask=2
+softcap=0; [[ $sym == *_softcap ]] && softcap=1
 g++ -O2 -std=c++17 -I/usr/local/cuda/include -I"$dir" -DVARIANT="$sym" -DVARIANT_HEADER="\"$sym.h\"" \
-  -DHEAD_DIM="$hd" -DCAUSAL="$causal" "$(dirname "$0")/fwd_harness.cc" "$dir/$sym.o" \
+  -DHEAD_DIM="$hd" -DMASK="$mask" -DSOFTCAP="$softcap" "$(dirname "$0")/fwd_harness.cc" "$dir/$sym.o" \
   "$dsl/libcuda_dialect_runtime_static.a" /usr/local/cuda/lib64/libcudart_static.a -ldl -lrt -lpthread -o "$out"

@@ -1,0 +1,87 @@
+"""Tile schedulers: which (m_block, head, batch[, split]) tiles a CTA works on.
+
+Every scheduler has a host half (`grid(...)`, the launch grid) and a device half (`first()`,
+`next(idx)`, `tile(idx)`: a CTA walks tile indices from `first()` while they are below `total`). The grid is
+one-dimensional: gridDim.x allows 2^31 - 1 CTAs, whereas gridDim.y and .z stop at 65535, which batch
+or heads easily pass (vmap folds its axis into the batch; decode multiplies batch x heads x splits).
+
+`StaticPersistentTileScheduler`: min(tiles, max_ctas) CTAs, CTA c takes tiles c, c + grid, ...;
+the kernel overlaps one tile's epilogue with the next tile's loads. With max_ctas >= tiles it is the
+plain one-CTA-per-tile launch. Tile indices run m-blocks fastest, so that the CTAs working at the
+same time share one (head, batch)'s K/V in L2; `lpt` (causal and windowed masks) walks m-blocks from
+the last one, which sees the most keys (longest processing time first shortens the tail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+
+# Frozen dataclasses throughout: the DSL drops read-only frozen dataclasses from the values a
+# dynamic loop carries, so kernels can use these objects inside their tile loops.
+@dataclass(frozen=True)
+class WorkTile:
+    """The coordinates of one tile of work."""
+
+    m_block: Int32
+    head: Int32
+    batch: Int32
+    split: Int32
+
+
+class TileScheduler(Protocol):
+    @staticmethod
+    def grid(num_m_blocks, num_heads, num_batch, max_ctas, num_splits=1) -> tuple: ...
+
+    def first(self) -> Int32: ...
+
+    def next(self, idx: Int32) -> Int32: ...
+
+    def tile(self, idx: Int32) -> WorkTile: ...
+
+
+@dataclass(frozen=True)
+class StaticPersistentTileScheduler:
+    num_m_blocks: Int32
+    num_heads: Int32
+    total: Int32  # tiles in all
+    num_splits: Int32 | int = 1
+    lpt: bool = False
+
+    @staticmethod
+    def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, num_splits: Int32 | int = 1,
+               lpt: bool = False) -> "StaticPersistentTileScheduler":
+        total = num_m_blocks * num_heads * num_batch * num_splits
+        return StaticPersistentTileScheduler(num_m_blocks, num_heads, total, num_splits, lpt)
+
+    @staticmethod
+    def grid(num_m_blocks, num_heads, num_batch, max_ctas, num_splits=1) -> tuple:
+        total = num_m_blocks * num_heads * num_batch * num_splits
+        return (cutlass.min(total, max_ctas), 1, 1)
+
+    @cute.jit
+    def first(self) -> Int32:
+        return Int32(cute.arch.block_idx()[0])
+
+    @cute.jit
+    def next(self, idx: Int32) -> Int32:
+        return idx + Int32(cute.arch.grid_dim()[0])
+
+    @cute.jit
+    def tile(self, idx: Int32) -> WorkTile:
+        m_block = idx % self.num_m_blocks
+        rest = idx // self.num_m_blocks
+        split = Int32(0)
+        if const_expr(not (isinstance(self.num_splits, int) and self.num_splits == 1)):
+            split = rest % self.num_splits
+            rest = rest // self.num_splits
+        head = rest % self.num_heads
+        batch = rest // self.num_heads
+        if const_expr(self.lpt):
+            m_block = self.num_m_blocks - 1 - m_block
+        return WorkTile(m_block, head, batch, split)
