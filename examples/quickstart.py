@@ -18,6 +18,7 @@ import numpy as np
 
 import fa4_jax
 from fa4_jax.attention import resolve_implementation
+from fa4_jax.families import FwdVariant
 
 
 def main() -> int:
@@ -32,7 +33,7 @@ def main() -> int:
     k = jnp.asarray(rng.standard_normal((b, s, h_k, d), dtype=np.float32), dtype)
     v = jnp.asarray(rng.standard_normal((b, s, h_k, d), dtype=np.float32), dtype)
 
-    impl = resolve_implementation(None, dtype=dtype, head_dim=d, causal=True)
+    impl = resolve_implementation(None, lambda arch: FwdVariant(arch, "bf16", d, "causal", False))
     print(f"fa4_jax {fa4_jax.__version__} on {device.device_kind} ({device.platform}): implementation={impl!r}")
     print(f"q {q.shape} {q.dtype.name}, k/v {k.shape} (GQA {h_q // h_k}:1), causal")
 

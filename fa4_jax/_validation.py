@@ -33,26 +33,102 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
-def check_softmax_scale(softmax_scale) -> float:
-    """Returns the scale as a Python float: it becomes a static primitive parameter."""
-    static_hint = (
-        "Under jax.jit, pass it as a static argument (static_argnames=('softmax_scale', ...)) or leave "
-        "it None for 1/sqrt(head_dim)."
-    )
-    if isinstance(softmax_scale, (bool, np.bool_, str, bytes)) or softmax_scale is None:
-        raise TypeError(f"softmax_scale must be a Python float; got {softmax_scale!r}. {static_hint}")
-    if np.ndim(softmax_scale) != 0:
-        raise TypeError(f"softmax_scale must be a scalar; got shape {np.shape(softmax_scale)}")
+_LOG2E = 1.4426950408889634
+_F32 = np.finfo(np.float32)
+
+
+def _static_float(name: str, value, default_hint: str) -> float:
+    """`value` as a Python float, or a TypeError that says how to pass it under jit."""
+    static_hint = f"Under jax.jit, pass it as a static argument (static_argnames=('{name}', ...)){default_hint}."
+    if isinstance(value, (bool, np.bool_, str, bytes)) or value is None:
+        raise TypeError(f"{name} must be a Python float; got {value!r}. {static_hint}")
+    if np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a scalar; got shape {np.shape(value)}")
     try:
-        scale = float(softmax_scale)  # concrete NumPy/JAX scalars are fine; tracers are not
+        return float(value)  # concrete NumPy/JAX scalars are fine; tracers are not
     except TypeError as e:  # includes jax.errors.ConcretizationTypeError
-        raise TypeError(
-            f"softmax_scale must be known at trace time, not a traced value ({type(softmax_scale).__name__}). "
-            + static_hint
-        ) from e
+        raise TypeError(f"{name} must be known at trace time, not a traced value ({type(value).__name__}). "
+                        + static_hint) from e
+
+
+def _usable_f32(x: float) -> bool:
+    """The kernels take scales as float32 and exponentiate with exp2: a value must stay a finite,
+    positive, normal float32 (a denormal is flushed to zero on the GPU)."""
+    with np.errstate(over="ignore", under="ignore"):
+        f = np.float32(x)
+    return bool(np.isfinite(f) and f >= _F32.tiny)
+
+
+def check_softmax_scale(softmax_scale) -> float:
+    """Returns the scale as a Python float: it becomes a static primitive parameter.
+
+    Checked as the kernel uses it, after float32 rounding: 1e39 would become inf (NaN output) and
+    1e-46 zero (uniform attention) if only the Python float were checked.
+    """
+    scale = _static_float("softmax_scale", softmax_scale, " or leave it None for 1/sqrt(head_dim)")
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale=}")
+    if not (_usable_f32(scale) and _usable_f32(scale * _LOG2E)):
+        raise ValueError(
+            f"softmax_scale must be a normal float32 with softmax_scale * log2(e) finite in float32 "
+            f"(about 1.2e-38 .. 2.3e38); got {softmax_scale=}"
+        )
     return scale
+
+
+def check_softcap(softcap, softmax_scale: float) -> float:
+    """0.0 (off) or the cap c of `c * tanh(s / c)` on the scaled scores, as a Python float."""
+    cap = _static_float("softcap", softcap, " or leave it 0.0 (off)")
+    if not math.isfinite(cap) or cap < 0.0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap=}")
+    # With a cap the kernel computes tanh(s * (softmax_scale / c)) and exponentiates with c * log2(e).
+    if cap > 0.0 and not (_usable_f32(cap * _LOG2E) and _usable_f32(softmax_scale / cap)):
+        raise ValueError(
+            f"softcap={cap!r} with softmax_scale={softmax_scale!r} is out of float32 range: softcap * log2(e) "
+            "and softmax_scale / softcap must both be normal float32 numbers"
+        )
+    return cap
+
+
+def check_window(window_size, causal: bool) -> tuple[int, int]:
+    """Normalises (left, right) so that causal is folded in: causal == (-1, 0).
+
+    Both are Python ints >= -1 (-1 = unbounded). causal=True with right = -1 means right = 0; with
+    right > 0 it contradicts itself and raises.
+    """
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints; got {window_size=!r}")
+    out = []
+    for side, x in zip(("left", "right"), window_size):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise TypeError(
+                f"window_size must be a pair of Python ints; got {window_size=!r} ({side} is "
+                f"{type(x).__name__}). Under jax.jit, mark it static (static_argnames=('window_size', ...))."
+            )
+        if x < -1:
+            raise ValueError(f"window_size values must be >= -1 (-1 = unbounded); got {window_size=!r}")
+        out.append(int(x))
+    left, right = out
+    if causal:
+        if right > 0:
+            raise ValueError(
+                f"causal=True means window_size[1] = 0 (no key after the diagonal); got {window_size=!r}. "
+                "Pass causal=False with that window, or right = 0 / -1."
+            )
+        right = 0
+    return left, right
+
+
+def check_sinks(sinks, heads_q: int) -> None:
+    """sinks: None or a float array (heads_q,) of per-head logits (traced values are fine)."""
+    if sinks is None:
+        return
+    if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        raise TypeError(f"sinks must be None or an array of shape (heads_q,); got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},); got sinks.shape={tuple(sinks.shape)}")
+    if not jnp.issubdtype(jnp.dtype(sinks.dtype), jnp.floating):
+        raise TypeError(f"sinks must be a floating-point array (used as float32); got sinks.dtype={jnp.dtype(sinks.dtype).name}")
 
 
 def check_implementation(implementation) -> str:
@@ -74,8 +150,10 @@ def check_qkv(q, k, v, *, kernel_constraints: bool = True) -> None:
             raise ValueError(
                 f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got {name}.shape={tuple(x.shape)}"
             )
-        if any(d < 1 for d in x.shape):
-            raise ValueError(f"every dimension of {name} must be >= 1; got {name}.shape={tuple(x.shape)}")
+        if any(d < 0 for d in x.shape) or x.shape[2] < 1:
+            # Zero batch or sequence length is fine (empty outputs, or rows that see no key); a
+            # tensor without heads is not attention.
+            raise ValueError(f"{name} must have >= 1 heads and no negative dimension; got {name}.shape={tuple(x.shape)}")
         dtype = jnp.dtype(x.dtype)
         if kernel_constraints and dtype not in KERNEL_DTYPES:
             raise TypeError(f"{name} must be bfloat16 or float16; got {name}.dtype={dtype.name}")

@@ -5,54 +5,95 @@ from __future__ import annotations
 import math
 
 from fa4_jax import _platform
-from fa4_jax._validation import check_flag, check_qkv, check_softmax_scale, dtype_tag
-from fa4_jax.families import FwdVariant
+from fa4_jax._validation import (
+    check_flag,
+    check_qkv,
+    check_sinks,
+    check_softcap,
+    check_softmax_scale,
+    check_window,
+    dtype_tag,
+)
+from fa4_jax.families import FwdVariant, mask_kind
 from fa4_jax.primitive import fa4_fwd_p
 
+STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "return_lse", "implementation")
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, implementation=None):
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,
+              return_lse=False, implementation=None):
     """Scaled dot-product attention, forward only, FlashAttention-4 kernel on Hopper GPUs.
 
     Args:
       q: (batch, seqlen_q, heads_q, head_dim), bfloat16 or float16.
       k, v: (batch, seqlen_k, heads_kv, head_dim), same dtype as q. heads_q must be a multiple of
         heads_kv (GQA / MQA: query head h reads key/value head h // (heads_q // heads_kv)).
-        head_dim is one of 64, 96, 128, 192, 256. Any seqlens >= 1; seqlen_q may differ from seqlen_k.
+        head_dim is one of 64, 96, 128, 192, 256. seqlen_q may differ from seqlen_k; a zero batch or
+        seqlen gives empty outputs, seqlen_k = 0 rows that see no key.
       causal: mask aligned to the bottom-right corner: query i sees key j iff
-        j <= i + seqlen_k - seqlen_q. Query rows that see no key (seqlen_q > seqlen_k) get
-        o = 0 and lse = -inf.
+        j <= i + seqlen_k - seqlen_q. Same as window_size=(-1, 0).
       softmax_scale: multiplies q @ k^T before the softmax; default 1 / sqrt(head_dim).
-      return_lse: also return the log-sum-exp of the scaled scores, float32
+      window_size: (left, right) sliding window in keys around the bottom-right-aligned diagonal:
+        query i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right;
+        -1 = unbounded on that side. With causal=True, right must be 0 or -1 (both mean 0).
+      softcap: if > 0, scores become softcap * tanh(scores / softcap) after scaling, before the
+        softmax (Gemma-2 style logit capping); 0 = off.
+      sinks: None or float (heads_q,) per-head logits that join each row's softmax denominator with
+        no value row (gpt-oss attention sinks); may be a traced array. LSE includes the sink term.
+      return_lse: also return the log-sum-exp of the (scaled, capped) scores, float32
         (batch, heads_q, seqlen_q), natural log.
-      implementation: None picks "fa4" when the default device is an sm_90 GPU and the built kernel
-        library has the (dtype, head_dim, causal) variant, else "xla". "fa4" demands the kernel and
-        raises if it cannot run here; "xla" is the exact pure-JAX reference (float32 softmax).
+      implementation: None picks "fa4" when the default device is an sm_90 GPU on which the built
+        kernel library has (and loads) the variant, else "xla". "fa4" demands the kernel and raises
+        if it cannot run here; "xla" is the exact pure-JAX reference (float32 softmax).
+
+    A query row with no visible key returns o = 0 and lse = -inf (with sinks: lse = its sink logit).
 
     Returns:
       o with q's shape and dtype, or (o, lse) when return_lse.
 
     Inference only: jax.grad through this function raises NotImplementedError.
     Under jax.jit every non-array argument must be static:
-      jax.jit(attention, static_argnames=("causal", "softmax_scale", "return_lse", "implementation"))
+      jax.jit(attention, static_argnames=fa4_jax.attention.STATIC_ARGNAMES)
     """
     check_qkv(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     head_dim = q.shape[-1]
     scale = check_softmax_scale(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
+    cap = check_softcap(softcap, scale)
+    left, right = _trim_window(*check_window(window_size, causal), q.shape[1], k.shape[1])
+    check_sinks(sinks, q.shape[2])
     # Everything is validated before the device/library probe, so a bad argument is reported as such.
-    implementation = resolve_implementation(implementation, dtype=q.dtype, head_dim=head_dim, causal=causal)
-    o, lse = fa4_fwd_p.bind(q, k, v, softmax_scale=scale, causal=causal, implementation=implementation)
+    variant = lambda arch: FwdVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0)  # noqa: E731
+    implementation = resolve_implementation(implementation, variant)
+    operands = (q, k, v) if sinks is None else (q, k, v, sinks)
+    o, lse = fa4_fwd_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
+                            has_sinks=sinks is not None, implementation=implementation)
     return (o, lse) if return_lse else o
 
 
-def resolve_implementation(implementation, *, dtype, head_dim: int, causal: bool) -> str:
-    """Maps the user's choice to "fa4" or "xla"; for "fa4" the kernel is also loaded on the device."""
+attention.STATIC_ARGNAMES = STATIC_ARGNAMES
+
+
+def _trim_window(left: int, right: int, s_q, s_k) -> tuple[int, int]:
+    """A side that reaches past every key is unbounded: (left >= s_k - 1) sees key 0 from every row,
+    (right >= s_q - 1) sees key s_k - 1. Unbounded sides let the plain or causal kernel serve the
+    call instead of the windowed one (same result, no per-element window test)."""
+    if isinstance(s_k, int) and left >= max(s_k - 1, 0):
+        left = -1
+    if isinstance(s_q, int) and right >= max(s_q - 1, 0):
+        right = -1
+    return left, right
+
+
+def resolve_implementation(implementation, variant) -> str:
+    """Maps the user's choice to "fa4" or "xla". `variant(arch)` is the kernel the call needs; for
+    "fa4" it is also loaded on the device (see fa4_jax._platform)."""
     if implementation == "xla":
         return "xla"
     if implementation not in (None, "fa4"):
         raise ValueError(f'implementation must be None, "fa4" or "xla"; got {implementation=}')
-    reason = _platform.unavailable_reason(lambda arch: FwdVariant(arch, dtype_tag(dtype), head_dim, causal))
+    reason = _platform.unavailable_reason(variant)
     if reason is None:
         return "fa4"
     if implementation == "fa4":

@@ -1,7 +1,9 @@
 """Exact attention in plain JAX: the CPU path, the non-Hopper fallback and the tests' yardstick.
 
-Same contract as the FA4 kernel: layout (batch, seqlen, heads, head_dim), GQA/MQA by head groups,
-bottom-right-aligned causal mask, rows that see no key give O = 0 and LSE = -inf.
+Same contract as the FA4 kernels: layout (batch, seqlen, heads, head_dim), GQA/MQA by head groups,
+masks aligned to the bottom-right corner (query i sits at key position i + seqlen_k - seqlen_q), a
+two-sided sliding window, tanh logit softcapping and per-head attention sinks; rows that see no key
+give O = 0 and LSE = -inf (with sinks: LSE = the sink logit).
 """
 
 from __future__ import annotations
@@ -12,39 +14,71 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fa4_jax._validation import check_flag, check_qkv, check_softmax_scale
+from fa4_jax._validation import (
+    check_flag,
+    check_qkv,
+    check_sinks,
+    check_softcap,
+    check_softmax_scale,
+    check_window,
+)
 
 # Score tiles above this many float32 elements (256 MiB) are computed a query block at a time;
 # a 32-head 32k x 32k prefill would otherwise ask for 128 GiB.
 SCORE_BUDGET = 1 << 26
+# Shape-polymorphic export: a symbolic dimension's size is unknown until run time, so the chunk is
+# sized as if the batch were 1 and seqlen_k this long (a tile of SCORE_BUDGET elements then holds
+# e.g. 512 query rows of 8 heads). Larger symbolic batches or seqlen_k use proportionally more memory.
+SYMBOLIC_SEQLEN_K_GUESS = 16384
 
 # f32 matmuls may run as TF32 on GPUs by default; the reference must stay exact to f32.
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def attention_reference(q, k, v, *, causal: bool, softmax_scale: float, query_chunk: int | None = None):
+def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float, window_size=(-1, -1),
+                        softcap: float = 0.0, sinks=None, query_chunk: int | None = None):
     """Returns (o, lse): o like q, lse float32 (batch, heads_q, seqlen_q) in natural log.
 
     Scores and the softmax are computed in float32 and the P @ V product accumulates in float32;
     only the output is rounded to q.dtype. float32 inputs are accepted too (useful as an oracle).
+    Arguments mean what they mean for `fa4_jax.attention`.
 
     query_chunk: rows of queries processed per step. None picks one so each step's score tile
-    stays under SCORE_BUDGET elements; the result is the same either way (each row is independent).
+    stays under SCORE_BUDGET elements; the result is the same either way up to float32 summation
+    order (each row is independent, but XLA may order a reduction by the array's size).
     """
     check_qkv(q, k, v, kernel_constraints=False)
     causal = check_flag("causal", causal)
     scale = check_softmax_scale(softmax_scale)
-
+    cap = check_softcap(softcap, scale)
+    left, right = check_window(window_size, causal)
+    check_sinks(sinks, q.shape[2])
     if query_chunk is None:
-        query_chunk = _auto_chunk(q.shape[1], q.shape[0] * q.shape[2] * k.shape[1])
+        query_chunk = _auto_chunk(q.shape[0], q.shape[1], q.shape[2], k.shape[1])
     elif isinstance(query_chunk, bool) or not (isinstance(query_chunk, int) and query_chunk >= 1):
         raise ValueError(f"query_chunk must be a positive int or None; got {query_chunk=}")
-    return _attention(q, k, v, causal, scale, query_chunk)
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    if any(_is_zero(d) for d in (q.shape[0], q.shape[1], k.shape[1])):
+        return _empty(q, sinks)
+    return _attention(q, k, v, sinks, left, right, scale, cap, query_chunk)
+
+
+def _is_zero(d) -> bool:
+    return isinstance(d, int) and d == 0
+
+
+def _empty(q, sinks):
+    """No batch, no query or no key: o = 0; lse = -inf, or the sink logit (rows see only the sink)."""
+    b, s_q, h_q, _ = q.shape
+    o = jnp.zeros(q.shape, q.dtype)
+    if sinks is None:
+        return o, jnp.full((b, h_q, s_q), -jnp.inf, jnp.float32)
+    return o, jnp.broadcast_to(sinks[None, :, None], (b, h_q, s_q))
 
 
 # Eager callers get one compiled program instead of ~30 op-by-op dispatches (2.6 s -> 0.6 s on CPU).
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _attention(q, k, v, causal: bool, scale: float, query_chunk: int):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, sinks, left: int, right: int, scale: float, softcap: float, query_chunk: int):
     b, s_q, h_q, d = q.shape
     _, s_k, h_k, _ = k.shape
     g = h_q // h_k
@@ -54,13 +88,14 @@ def _attention(q, k, v, causal: bool, scale: float, query_chunk: int):
     # key/value head h // g, so the g query heads of a group share one K/V matrix, never repeated.
     qh = q.reshape(b, s_q, h_k, g, d).transpose(0, 2, 3, 1, 4)  # (b, h_k, g, s_q, d)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, h_k, s_k, d)
-    block = lambda q_blk, row0: _attend_block(q_blk, row0, kh, vh, causal, scale, s_q)
+    sk = None if sinks is None else sinks.reshape(h_k, g)
+    block = lambda q_blk, row0: _attend_block(q_blk, row0, kh, vh, sk, left, right, scale, softcap, s_q)  # noqa: E731
 
-    if query_chunk == 0 or query_chunk >= s_q:
+    if query_chunk == 0:
         o, lse = block(qh, 0)
     else:
         n = -(-s_q // query_chunk)
-        # Padded rows are computed and dropped; with the bottom-right mask they only see more keys.
+        # Padded rows are computed and dropped (a row's result depends only on its own index).
         qh = jnp.pad(qh, ((0, 0), (0, 0), (0, 0), (0, n * query_chunk - s_q), (0, 0)))
         qs = jnp.moveaxis(qh.reshape(b, h_k, g, n, query_chunk, d), 3, 0)
         rows0 = jnp.arange(n, dtype=jnp.int32) * query_chunk
@@ -71,19 +106,25 @@ def _attention(q, k, v, causal: bool, scale: float, query_chunk: int):
     return o.transpose(0, 3, 1, 2, 4).reshape(b, s_q, h_q, d), lse.reshape(b, h_q, s_q)
 
 
-def _auto_chunk(s_q, scores_per_query_row) -> int:
+def _auto_chunk(b, s_q, h_q, s_k) -> int:
     """Rows per block: the largest power of two whose score tile fits the budget; 0 = all at once.
 
-    Shape-polymorphic export (symbolic dims) gets one block: its sizes are unknown until run time.
+    With symbolic dimensions (shape-polymorphic export) the batch counts as 1 and seqlen_k as
+    SYMBOLIC_SEQLEN_K_GUESS, and a symbolic seqlen_q is always chunked (lax.map handles a symbolic
+    number of chunks).
     """
-    if not (isinstance(s_q, int) and isinstance(scores_per_query_row, int)):
+    b = b if isinstance(b, int) else 1
+    h_q = h_q if isinstance(h_q, int) else 1
+    s_k = s_k if isinstance(s_k, int) else SYMBOLIC_SEQLEN_K_GUESS
+    rows = max(1, SCORE_BUDGET // max(1, b * h_q * s_k))
+    if isinstance(s_q, int) and rows >= s_q:
         return 0
-    rows = max(1, SCORE_BUDGET // scores_per_query_row)
-    return 0 if rows >= s_q else 1 << (rows.bit_length() - 1)
+    return 1 << (rows.bit_length() - 1)
 
 
-def _attend_block(qh, row0, kh, vh, causal: bool, scale: float, s_q: int):
-    """qh: (b, h_k, g, c, d) queries whose first row is global row `row0`; kh, vh: (b, h_k, s_k, d).
+def _attend_block(qh, row0, kh, vh, sinks, left: int, right: int, scale: float, softcap: float, s_q):
+    """qh: (b, h_k, g, c, d) queries whose first row is global row `row0`; kh, vh: (b, h_k, s_k, d);
+    sinks: None or (h_k, g) float32.
 
     Returns o (b, h_k, g, c, d) in q.dtype and lse (b, h_k, g, c) float32.
     """
@@ -94,22 +135,34 @@ def _attend_block(qh, row0, kh, vh, causal: bool, scale: float, s_q: int):
         preferred_element_type=jnp.float32, precision=_HIGHEST,
     ).reshape(b, h_k, g, c, s_k)
     s = s * scale
-    if causal:
-        rows = row0 + jnp.arange(c, dtype=jnp.int32)[:, None]
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    if left >= 0 or right >= 0:
+        # Bottom-right aligned: query row i sits at key position i + s_k - s_q.
+        diag = row0 + jnp.arange(c, dtype=jnp.int32)[:, None] + (s_k - s_q)
         cols = jnp.arange(s_k, dtype=jnp.int32)[None, :]
-        s = jnp.where(cols <= rows + (s_k - s_q), s, -jnp.inf)
+        visible = jnp.ones((c, s_k), bool)
+        if right >= 0:
+            visible &= cols <= diag + right
+        if left >= 0:
+            visible &= cols >= diag - left
+        s = jnp.where(visible, s, -jnp.inf)
 
     m = jnp.max(s, axis=-1)
-    # A row with no visible key has m = -inf; shifting by 0 instead keeps exp() at 0 and avoids
-    # inf - inf = NaN.
+    if sinks is not None:
+        m = jnp.maximum(m, sinks[None, :, :, None])
+    # A row with no visible key (and no sink) has m = -inf; shifting by 0 instead keeps exp() at 0
+    # and avoids inf - inf = NaN.
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     p = jnp.exp(s - m[..., None])
     l = jnp.sum(p, axis=-1)
+    if sinks is not None:
+        l = l + jnp.exp(sinks[None, :, :, None] - m)
     o = jnp.einsum(
         "bhmk,bhkd->bhmd", p.reshape(b, h_k, g * c, s_k), vh.astype(jnp.float32),
         preferred_element_type=jnp.float32, precision=_HIGHEST,
     ).reshape(b, h_k, g, c, d)
-    has_key = l > 0.0
-    inv_l = jnp.where(has_key, 1.0 / jnp.where(has_key, l, 1.0), 0.0)
-    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
+    has_mass = l > 0.0
+    inv_l = jnp.where(has_mass, 1.0 / jnp.where(has_mass, l, 1.0), 0.0)
+    lse = jnp.where(has_mass, m + jnp.log(jnp.where(has_mass, l, 1.0)), -jnp.inf)
     return (o * inv_l[..., None]).astype(qh.dtype), lse

@@ -1,6 +1,7 @@
 """FA4 Hopper kernel vs an fp32 oracle, on the GPU (every test here is `@pytest.mark.gpu`).
 
-Accuracy rule (FlashAttention's): with ref32 = attention of the fp32-upcast inputs computed in fp32,
+Accuracy rule (FlashAttention's): with ref32 = attention of the fp32-upcast inputs computed in fp32 (the
+shared oracle, tests/oracle.py),
   max|ours - ref32| <= 2 * max|xla - ref32| + atol,
 where `xla` is fa4_jax's own XLA path on the same bf16/f16 inputs. The XLA path's error is the error any
 correct same-precision implementation is allowed, so the bound scales itself with dtype, head_dim and
@@ -12,13 +13,17 @@ just before the call, which XLA's best-fit allocator tends to hand straight back
 anywhere and agreement with the reference everywhere, and (c) runs twice with fresh inputs, so a tile the
 kernel skipped would carry either NaN or the previous run's numbers and fail the comparison.
 
-Runtime on an H200: ~150 cases, each mostly one XLA compile; about 2-3 minutes in all.
+Runtime on an H200: ~300 cases, each mostly one XLA compile; ~1-2 minutes with `-n 8`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -27,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 import fa4_jax
-from fa4_jax.families import FWD, FwdVariant, default_menu
+from fa4_jax.families import FWD, FwdVariant, default_menu, mask_kind
+from oracle import attention_oracle, visible_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -36,37 +42,9 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-# --------------------------------------------------------------------------------------------------
-# fp32 oracle
-# --------------------------------------------------------------------------------------------------
-
-
-def ref32(q, k, v, *, causal: bool, softmax_scale: float):
-    """Attention of fp32-upcast inputs in fp32; returns (o (b,s_q,h_q,d) f32, lse (b,h_q,s_q) f32).
-
-    Written here rather than borrowed from fa4_jax.reference so that the oracle shares no code with the
-    implementation's own fallback path. Precision.HIGHEST because JAX's default f32 matmul on Hopper
-    may use TF32 (10-bit mantissa), which would make the oracle less precise than the bf16 kernel.
-    Rows with no visible key (causal, s_q > s_k) give O = 0 and LSE = -inf, as the contract says.
-    """
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    b, s_q, h_q, d = q.shape
-    s_k, h_k = k.shape[1], k.shape[2]
-    g = h_q // h_k  # query head j reads kv head j // g
-    qg = q.reshape(b, s_q, h_k, g, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=HIGHEST) * softmax_scale
-    if causal:
-        # Bottom-right aligned: query i sees keys j <= i + s_k - s_q.
-        visible = jnp.arange(s_k)[None, :] <= jnp.arange(s_q)[:, None] + (s_k - s_q)
-        s = jnp.where(visible, s, -jnp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # empty rows: exp(-inf - 0) = 0 instead of NaN
-    p = jnp.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    o = jnp.einsum("bhgqk,bkhd->bhgqd", p, v, precision=HIGHEST) / jnp.where(l > 0, l, 1.0)
-    o = o.transpose(0, 3, 1, 2, 4).reshape(b, s_q, h_q, d)
-    lse = jnp.where(l > 0, jnp.log(jnp.where(l > 0, l, 1.0)) + m, -jnp.inf)
-    return o, lse.reshape(b, h_q, s_q)
+def ref32(q, k, v, **kw):
+    """The shared oracle in float32 on the device (see tests/oracle.py)."""
+    return attention_oracle(q, k, v, xp=jnp, **kw)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,12 +66,14 @@ def built_variants() -> frozenset:
     return variants
 
 
-def _variant(dtype_name: str, head_dim: int, causal: bool) -> FwdVariant:
-    return FwdVariant("sm90", dtype_name, head_dim, causal)
+def _variant(dtype_name: str, head_dim: int, causal: bool, window_size=(-1, -1), softcap=0.0) -> FwdVariant:
+    left, right = window_size
+    right = 0 if causal else right
+    return FwdVariant("sm90", dtype_name, head_dim, mask_kind(left, right), softcap > 0)
 
 
-def _require(built_variants, dtype_name, head_dim, causal):
-    v = _variant(dtype_name, head_dim, causal)
+def _require(built_variants, dtype_name, head_dim, causal, window_size=(-1, -1), softcap=0.0):
+    v = _variant(dtype_name, head_dim, causal, window_size, softcap)
     if v not in built_variants:
         pytest.skip(f"{v.symbol} not in the built menu (FA4_JAX_VARIANTS narrowed the build)")
 
@@ -117,21 +97,20 @@ def _poison_allocator(*shapes_dtypes):
 
 
 @functools.lru_cache(maxsize=None)
-def _triple(causal: bool, softmax_scale: float | None):
+def _triple(causal: bool, softmax_scale: float | None, window_size=(-1, -1), softcap=0.0):
     """One jitted program computing ours, the same-precision XLA path and the fp32 oracle.
 
     A single program per shape costs one XLA compile instead of three, which is most of the test time.
     """
-    ours = functools.partial(
-        fa4_jax.attention, causal=causal, softmax_scale=softmax_scale, return_lse=True, implementation="fa4"
-    )
-    xla = functools.partial(
-        fa4_jax.attention, causal=causal, softmax_scale=softmax_scale, return_lse=True, implementation="xla"
-    )
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, return_lse=True)
+    ours = functools.partial(fa4_jax.attention, implementation="fa4", **kw)
+    xla = functools.partial(fa4_jax.attention, implementation="xla", **kw)
 
-    def run(q, k, v):
+    def run(q, k, v, sinks):
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return ours(q, k, v), xla(q, k, v), ref32(q, k, v, causal=causal, softmax_scale=scale)
+        return (ours(q, k, v, sinks=sinks), xla(q, k, v, sinks=sinks),
+                ref32(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap,
+                      sinks=sinks))
 
     return jax.jit(run)
 
@@ -147,8 +126,11 @@ O_ATOL_REL = 1e-3
 LSE_ATOL = 1e-3
 
 
-def check_against_reference(out_ours, out_xla, out_ref, *, what: str):
-    """Apply the accuracy rule to O and LSE; `what` names the case in failure messages."""
+def check_against_reference(out_ours, out_xla, out_ref, *, what: str, no_key=None):
+    """Apply the accuracy rule to O and LSE; `what` names the case in failure messages.
+
+    no_key: optional (s_q,) bool, the rows that see no key (o must be exactly 0 there, also with
+    sinks, whose LSE is then the sink logit and therefore finite)."""
     (o, lse), (o_x, lse_x), (o_r, lse_r) = (tuple(np.asarray(a, np.float32) for a in t)
                                             for t in (out_ours, out_xla, out_ref))
 
@@ -165,6 +147,8 @@ def check_against_reference(out_ours, out_xla, out_ref, *, what: str):
     if empty.any():
         o_rows = o.transpose(0, 2, 1, 3)  # (b, h_q, s_q, d)
         assert not o_rows[empty].any(), f"{what}: O != 0 in rows that see no key"
+    if no_key is not None and no_key.any():
+        assert not o[:, no_key].any(), f"{what}: O != 0 in {np.count_nonzero(no_key)} rows that see no key"
 
     # The bound is only as good as the XLA path it is built from: a wrong XLA result would make it vacuous.
     # That path rounds an fp32 result once (contract: "exact" reference), so per row it is within half an
@@ -204,17 +188,25 @@ def check_against_reference(out_ours, out_xla, out_ref, *, what: str):
 
 
 def run_case(built_variants, *, dtype_name, head_dim, causal, b, s_q, s_k, h_q, h_k, seed=0,
-             softmax_scale=None):
-    _require(built_variants, dtype_name, head_dim, causal)
+             softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=False):
+    _require(built_variants, dtype_name, head_dim, causal, window_size, softcap)
     dtype = DTYPES[dtype_name]
-    fn = _triple(causal, softmax_scale)
-    what = f"{dtype_name} hd{head_dim} causal={causal} b={b} s_q={s_q} s_k={s_k} h={h_q}/{h_k}"
+    fn = _triple(causal, softmax_scale, tuple(window_size), softcap)
+    what = (f"{dtype_name} hd{head_dim} causal={causal} window={window_size} softcap={softcap} sinks={sinks} "
+            f"b={b} s_q={s_q} s_k={s_k} h={h_q}/{h_k}")
+    no_key = ~np.asarray(visible_mask(s_q, s_k, window_size, causal)).any(axis=1)
     # Twice with fresh inputs: a tile the kernel never writes would keep the first run's values.
     for run in range(2):
         q, k, v = _inputs(seed * 2 + run + 1, b, s_q, s_k, h_q, h_k, head_dim, dtype)
+        # Sink logits around the scores' scale (|s| ~ 1-3): they change every row's normalisation.
+        sk = jax.random.normal(jax.random.key(seed * 2 + run + 99), (h_q,), jnp.float32) * 2 if sinks else None
         _poison_allocator(((b, s_q, h_q, head_dim), dtype), ((b, h_q, s_q), jnp.float32))
-        ours, xla, ref = fn(q, k, v)
-        check_against_reference(ours, xla, ref, what=f"{what} run {run}")
+        ours, xla, ref = fn(q, k, v, sk)
+        check_against_reference(ours, xla, ref, what=f"{what} run {run}", no_key=no_key)
+        if sinks and no_key.any():  # rows with only the sink: LSE is exactly the sink logit
+            lse = np.asarray(ours[1])
+            np.testing.assert_allclose(lse[:, :, no_key], np.broadcast_to(np.asarray(sk)[None, :, None], lse[:, :, no_key].shape),
+                                       rtol=0, atol=1e-5, err_msg=what)
         del ours, xla, ref
 
 
@@ -339,23 +331,38 @@ def test_jit_with_transposed_inputs(built_variants):
     check_against_reference(ours, xla, ref, what="transposed inputs")
 
 
+# (q, k, v, sinks) vmapped axes: everything mapped; a shared KV cache (only q mapped: folded into the
+# query heads of each KV group); per-slice sinks (folded into the heads of q, k, v and sinks).
+VMAP_AXES = {"all": (0, 0, 0, None), "q_only": (0, None, None, None), "sinks_too": (0, 0, 0, 0),
+             "q_sinks": (0, None, None, 0)}
+
+
+@pytest.mark.parametrize("axes", list(VMAP_AXES), ids=list(VMAP_AXES))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_vmap(built_variants, causal):
-    """vmap over an extra leading axis goes through the primitive's batching rule into one kernel call."""
+def test_vmap(built_variants, causal, axes):
+    """vmap goes through the primitive's batching rule into one kernel call, whichever operands are mapped."""
     _require(built_variants, "bf16", 128, causal)
+    in_axes = VMAP_AXES[axes]
     n, b, s_q, s_k, h_q, h_k, d = 3, 2, 200, 260, 4, 2, 128
     q, k, v = _inputs(17, n * b, s_q, s_k, h_q, h_k, d, jnp.bfloat16)
     q5, k5, v5 = (x.reshape(n, b, *x.shape[1:]) for x in (q, k, v))
+    if in_axes[1] is None:  # one KV shared by the n slices
+        k5, v5 = k5[0], v5[0]
+    sinks = jax.random.normal(jax.random.key(5), (n, h_q), jnp.float32)
+    sinks_in = sinks if in_axes[3] == 0 else sinks[0]
 
     def attn(impl):
-        return jax.jit(jax.vmap(functools.partial(
-            fa4_jax.attention, causal=causal, return_lse=True, implementation=impl)))
+        f = functools.partial(fa4_jax.attention, causal=causal, return_lse=True, implementation=impl)
+        return jax.jit(jax.vmap(lambda q, k, v, s: f(q, k, v, sinks=s), in_axes=in_axes))
 
-    ours = attn("fa4")(q5, k5, v5)
-    xla = attn("xla")(q5, k5, v5)
-    ref = jax.jit(functools.partial(ref32, causal=causal, softmax_scale=1 / math.sqrt(d)))(q, k, v)
-    flat = lambda t: tuple(x.reshape(n * b, *x.shape[2:]) for x in t)  # noqa: E731
-    check_against_reference(flat(ours), flat(xla), ref, what=f"vmap causal={causal}")
+    ours = attn("fa4")(q5, k5, v5, sinks_in)
+    xla = attn("xla")(q5, k5, v5, sinks_in)
+    for i in range(n):
+        ki, vi = (k5, v5) if in_axes[1] is None else (k5[i], v5[i])
+        si = sinks_in[i] if in_axes[3] == 0 else sinks_in
+        ref = ref32(q5[i], ki, vi, causal=causal, softmax_scale=1 / math.sqrt(d), sinks=si)
+        pick = lambda t: tuple(x[i] for x in t)  # noqa: E731
+        check_against_reference(pick(ours), pick(xla), ref, what=f"vmap {axes} causal={causal} slice {i}")
 
 
 def test_two_calls_in_one_program(built_variants):
@@ -384,35 +391,69 @@ def test_two_calls_in_one_program(built_variants):
 # --------------------------------------------------------------------------------------------------
 
 
-def _raw_ffi_call(q, k, v, *, causal=False, softmax_scale=0.125):
+def _raw_ffi_call(q, k, v, sinks=None, *, lse_shape=None, softmax_scale=0.125, softcap=0.0, window=(-1, -1)):
     """The FFI target called directly, bypassing fa4_jax's Python-side validation."""
-    from fa4_jax import _ffi
-
     b, s_q, h_q, d = q.shape
+    sinks = jnp.full((h_q,), -jnp.inf, jnp.float32) if sinks is None else sinks
     call = jax.ffi.ffi_call(
         FWD.target,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape or (b, h_q, s_q), jnp.float32)),
     )
-    return call(q, k, v, causal=bool(causal), softmax_scale=np.float32(softmax_scale))
+    return call(q, k, v, sinks, softmax_scale=np.float32(softmax_scale), softcap=np.float32(softcap),
+                window_left=np.int32(window[0]), window_right=np.int32(window[1]))
 
 
 def _assert_still_healthy(built_variants):
     # After an FFI error the CUDA context must still work: a normal call of any built variant must run
     # and be right (a sticky CUDA error would poison every later call in the process).
-    var = min(v for v in built_variants if v.arch == "sm90")
-    run_case(built_variants, dtype_name=var.dtype, head_dim=var.head_dim, causal=var.causal,
+    var = min((v for v in built_variants if v.arch == "sm90"), key=lambda v: v.symbol)
+    run_case(built_variants, dtype_name=var.dtype, head_dim=var.head_dim, causal=var.mask == "causal",
+             window_size=(64, 16) if var.mask == "local" else (-1, -1), softcap=5.0 if var.softcap else 0.0,
              b=1, s_q=130, s_k=130, h_q=2, h_k=2)
 
 
-@pytest.mark.parametrize("head_dim,dtype", [(32, jnp.bfloat16), (128, jnp.float32)], ids=["hd32", "f32"])
-def test_ffi_error_is_python_exception(built_variants, head_dim, dtype):
-    """A variant no build can contain (head_dim 32, fp32) -> the handler's ffi::Error -> a Python exception."""
+@pytest.mark.parametrize(
+    "head_dim,dtype,message",
+    [(32, jnp.bfloat16, r"no kernel for arch=sm90, dtype=bf16, head_dim=32, mask=full, softcap=false on device \d"),
+     (128, jnp.float32, r"q must be bfloat16 or float16")],
+    ids=["hd32", "f32"],
+)
+def test_ffi_error_is_python_exception(built_variants, head_dim, dtype, message):
+    """A variant no build can contain (head_dim 32, fp32) -> the handler's ffi::Error -> a Python exception
+    that carries the handler's message (not a crash, not silent garbage)."""
     q, k, v = _inputs(29, 1, 64, 64, 2, 2, head_dim, dtype)
-    # Any exception type will do (XLA wraps handler errors in its runtime error); what matters is that
-    # Python gets one instead of the process aborting.
-    with pytest.raises(Exception):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=FWD.target + ": " + message):
         jax.block_until_ready(jax.jit(_raw_ffi_call)(q, k, v))
     _assert_still_healthy(built_variants)
+
+
+RAW_BAD = {
+    "lse_shape": (dict(lse_shape=(1, 64, 2)), r"lse must be \(batch, heads_q, seqlen_q\) = \(1, 2, 64\); got \(1, 64, 2\)"),
+    "sinks_shape": (dict(sinks=jnp.zeros((3,), jnp.float32)), r"sinks must be float32 \(heads_q,\) = \(2,\); got \(3\)"),
+    "sinks_dtype": (dict(sinks=jnp.zeros((2,), jnp.bfloat16)), r"sinks must be float32"),
+    "window": (dict(window=(-2, 0)), r"window bounds must be >= -1 \(-1 = unbounded\); got \(-2, 0\)"),
+    "softcap": (dict(softcap=-1.0), r"softcap must be 0 or a positive float32"),
+    "scale_inf": (dict(softmax_scale=np.inf), r"softmax_scale must be a positive normal float32"),
+    "scale_denormal": (dict(softmax_scale=1e-40), r"softmax_scale must be a positive normal float32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW_BAD))
+def test_raw_handler_validates(built_variants, case):
+    """The handler checks what the Python API checks: another caller of the FFI target (e.g. a
+    deserialized jax.export artifact) gets a clear error, never a launch on bad arguments."""
+    kwargs, message = dict(RAW_BAD[case][0]), RAW_BAD[case][1]
+    sinks = kwargs.pop("sinks", None)
+    q, k, v = _inputs(37, 1, 64, 64, 2, 2, 128, jnp.bfloat16)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=FWD.target + ": " + message):
+        jax.block_until_ready(jax.jit(functools.partial(_raw_ffi_call, **kwargs))(q, k, v, sinks))
+
+
+def test_raw_handler_validates_heads(built_variants):
+    q, _, _ = _inputs(38, 1, 64, 64, 6, 4, 128, jnp.bfloat16)
+    _, k, v = _inputs(38, 1, 64, 64, 4, 4, 128, jnp.bfloat16)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"heads_q \(6\) must be a multiple of heads_kv \(4\)"):
+        jax.block_until_ready(jax.jit(_raw_ffi_call)(q, k, v))
 
 
 def test_missing_variant_raises(built_variants):
@@ -424,10 +465,170 @@ def test_missing_variant_raises(built_variants):
     var = missing[0]
     dtype = DTYPES[var.dtype]
     q, k, v = _inputs(31, 1, 64, 64, 2, 2, var.head_dim, dtype)
-    with pytest.raises(Exception) as info:
-        jax.block_until_ready(fa4_jax.attention(q, k, v, causal=var.causal, implementation="fa4"))
-    assert "fa4" in str(info.value).lower() or var.symbol in str(info.value), str(info.value)
+    window = {"full": (-1, -1), "causal": (-1, 0), "local": (16, 16)}[var.mask]
+    softcap = 5.0 if var.softcap else 0.0
+    with pytest.raises(RuntimeError, match=f"has no variant {var.symbol}"):
+        fa4_jax.attention(q, k, v, window_size=window, softcap=softcap, implementation="fa4")
     # And the same variant through the raw FFI target: the C++ side's error, also as an exception.
-    with pytest.raises(Exception):
-        jax.block_until_ready(jax.jit(functools.partial(_raw_ffi_call, causal=var.causal))(q, k, v))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"no kernel for .*this library was built with"):
+        jax.block_until_ready(jax.jit(functools.partial(_raw_ffi_call, window=window, softcap=softcap))(q, k, v))
     _assert_still_healthy(built_variants)
+
+
+# --------------------------------------------------------------------------------------------------
+# window, softcap, sinks
+# --------------------------------------------------------------------------------------------------
+
+# (causal, window_size): causal, causal + left window, two-sided, diagonal only, right-only, left-only.
+WINDOWS = {
+    "causal": (True, (-1, -1)),
+    "causal_w300": (True, (300, -1)),
+    "w128_0": (False, (128, 0)),
+    "w100_50": (False, (100, 50)),
+    "w0_0": (False, (0, 0)),
+    "right37": (False, (-1, 37)),
+    "left300": (False, (300, -1)),
+}
+FEATURE_SHAPES = {"777x1000": (777, 1000), "1000x777": (1000, 777)}
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sinks"])
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["nocap", "cap5"])
+@pytest.mark.parametrize("window", list(WINDOWS), ids=list(WINDOWS))
+@pytest.mark.parametrize("shape", list(FEATURE_SHAPES), ids=list(FEATURE_SHAPES))
+def test_window_softcap_sinks(built_variants, shape, window, softcap, sinks):
+    causal, window_size = WINDOWS[window]
+    s_q, s_k = FEATURE_SHAPES[shape]
+    run_case(built_variants, dtype_name="bf16", head_dim=128, causal=causal, window_size=window_size,
+             softcap=softcap, sinks=sinks, b=2, s_q=s_q, s_k=s_k, h_q=8, h_k=2)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("head_dim", [64, 96, 192, 256], ids=lambda d: f"hd{d}")
+@pytest.mark.parametrize("window", ["causal_w300", "w100_50"])
+def test_window_softcap_sinks_head_dims(built_variants, dtype_name, head_dim, window):
+    causal, window_size = WINDOWS[window]
+    run_case(built_variants, dtype_name=dtype_name, head_dim=head_dim, causal=causal, window_size=window_size,
+             softcap=20.0, sinks=True, b=1, s_q=515, s_k=1031, h_q=6, h_k=2)
+
+
+@pytest.mark.parametrize("h_q,h_k", [(4, 4), (8, 1), (12, 4)], ids=["mha", "mqa", "gqa3"])
+def test_window_gqa(built_variants, h_q, h_k):
+    run_case(built_variants, dtype_name="bf16", head_dim=128, causal=False, window_size=(64, 64), softcap=0.0,
+             sinks=True, b=2, s_q=300, s_k=300, h_q=h_q, h_k=h_k)
+
+
+@pytest.mark.parametrize("window_size,s_q,s_k", [((0, 0), 300, 100), ((10, 0), 400, 129), ((3, 2), 1, 7)])
+@pytest.mark.parametrize("sinks", [False, True], ids=["nosink", "sinks"])
+def test_window_rows_without_keys(built_variants, window_size, s_q, s_k, sinks):
+    """Windows that leave rows (and whole tiles) without keys: o = 0, lse = -inf or the sink logit."""
+    run_case(built_variants, dtype_name="bf16", head_dim=128, causal=False, window_size=window_size,
+             sinks=sinks, b=1, s_q=s_q, s_k=s_k, h_q=4, h_k=2)
+
+
+def test_sinks_dominate_without_overflow(built_variants):
+    """A sink logit far above every score: O -> ~0 and LSE = the sink, never inf/NaN."""
+    _require(built_variants, "bf16", 128, True)
+    q, k, v = _inputs(41, 1, 256, 256, 2, 2, 128, jnp.bfloat16)
+    sinks = jnp.array([80.0, -80.0], jnp.float32)
+    o, lse = jax.jit(functools.partial(fa4_jax.attention, causal=True, return_lse=True, implementation="fa4"))(
+        q, k, v, sinks=sinks)
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    assert np.abs(o[:, :, 0]).max() < 1e-30 and np.allclose(lse[:, 0], 80.0, atol=1e-4)
+    ref_o, ref_lse = ref32(q, k, v, causal=True, softmax_scale=1 / math.sqrt(128), sinks=sinks)
+    np.testing.assert_allclose(lse[:, 1], np.asarray(ref_lse)[:, 1], atol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------------
+# launch limits, command buffers, module loading
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,h", [(70000, 1), (1, 70000)], ids=["batch70000", "heads70000"])
+def test_grid_beyond_65535(built_variants, b, h):
+    """More than 65535 (batch x heads) tiles: the linear tile scheduler's 1-D grid takes them all
+    (a (m, head, batch) grid would fail at launch: gridDim.y/z <= 65535)."""
+    run_case(built_variants, dtype_name="bf16", head_dim=64, causal=True, b=b, s_q=3, s_k=5, h_q=h, h_k=h)
+
+
+def _run_subprocess(code: str, env_extra: dict, timeout=240) -> str:
+    env = dict(os.environ, **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__),
+                                         env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert res.returncode == 0, f"subprocess failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    return res.stdout
+
+
+COMMAND_BUFFER_SCRIPT = """
+import functools, numpy as np, jax, jax.numpy as jnp, fa4_jax
+from oracle import attention_oracle
+f = jax.jit(functools.partial(fa4_jax.attention, causal=True, window_size=(200, -1), softcap=10.0,
+                              return_lse=True, implementation="fa4"))
+g = jax.jit(lambda q, k, v, s: f(q, k, v, sinks=s)[0] * 2)  # the call inside a larger captured program
+for i in range(6):  # new input buffers every call: the recorded graph must follow them
+    key = jax.random.key(i)
+    q, k, v = (jax.random.normal(kk, (2, 300 + 64 * (i % 2), 4, 128), jnp.float32).astype(jnp.bfloat16)
+               for kk in jax.random.split(key, 3))
+    s = jax.random.normal(jax.random.key(100 + i), (4,), jnp.float32)
+    o, lse = f(q, k, v, sinks=s)
+    o2 = g(q, k, v, s)
+    ro, rl = attention_oracle(q, k, v, xp=jnp, causal=True, window_size=(200, -1), softcap=10.0,
+                              sinks=s, softmax_scale=128 ** -0.5)
+    err = float(jnp.abs(o.astype(jnp.float32) - ro).max())
+    lerr = float(jnp.abs(lse - rl).max())
+    assert err < 2e-2 and lerr < 1e-3, (i, err, lerr)
+    assert bool(jnp.all(o2 == o * 2)), i
+print("COMMAND_BUFFERS_OK")
+"""
+
+
+def test_command_buffers_forced_on(built_variants):
+    """XLA captures the custom call into CUDA graphs (command buffers forced on for every custom call,
+    even single-op graphs) across repeated calls with fresh buffers: results stay right."""
+    _require(built_variants, "bf16", 128, True, (200, -1), 10.0)
+    out = _run_subprocess(COMMAND_BUFFER_SCRIPT, {
+        "XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert "COMMAND_BUFFERS_OK" in out
+
+
+LOAD_FAILURE_SCRIPT = """
+import functools, os, numpy as np, jax, jax.numpy as jnp, fa4_jax
+from fa4_jax.primitive import fa4_fwd_p
+q, k, v = (jax.random.normal(kk, (1, 200, 2, 128), jnp.float32).astype(jnp.bfloat16)
+           for kk in jax.random.split(jax.random.key(0), 3))
+want = fa4_jax.attention(q, k, v, implementation="xla")
+# 1. The kernel does not load: implementation=None falls back to the XLA path, "fa4" says why.
+prims = [e for e in jax.make_jaxpr(fa4_jax.attention)(q, k, v).eqns if e.primitive is fa4_fwd_p]
+assert prims[0].params["implementation"] == "xla", prims[0].params
+try:
+    fa4_jax.attention(q, k, v, implementation="fa4")
+    raise SystemExit("expected RuntimeError")
+except RuntimeError as e:
+    assert "simulated by FA4_JAX_FAIL_MODULE_LOAD" in str(e), e
+# 2. The FFI handler itself (Python checks bypassed): an FFI error, not a crash.
+raw = jax.jit(lambda q, k, v: fa4_fwd_p.bind(q, k, v, softmax_scale=128 ** -0.5, window_left=-1, window_right=-1,
+                                             softcap=0.0, has_sinks=False, implementation="fa4")[0])
+try:
+    raw(q, k, v).block_until_ready()
+    raise SystemExit("expected an FFI error")
+except jax.errors.JaxRuntimeError as e:
+    assert "simulated by FA4_JAX_FAIL_MODULE_LOAD" in str(e), e
+# 3. The failure is not permanent: once loading works, both paths run the kernel.
+del os.environ["FA4_JAX_FAIL_MODULE_LOAD"]
+got = fa4_jax.attention(q, k, v, implementation="fa4")
+assert float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()) < 2e-2
+got_raw = raw(q, k, v)
+assert float(jnp.abs(got_raw.astype(jnp.float32) - want.astype(jnp.float32)).max()) < 2e-2
+print("LOAD_FAILURE_OK")
+"""
+
+
+def test_module_load_failure_is_reported_and_recoverable(built_variants):
+    _require(built_variants, "bf16", 128, False)
+    out = _run_subprocess(LOAD_FAILURE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": "all",
+                                                "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert "LOAD_FAILURE_OK" in out

@@ -1,0 +1,63 @@
+"""The one attention oracle every test compares against: textbook attention in high precision.
+
+Written independently of fa4_jax.reference (the implementation's own fallback): K/V heads are
+materialised with repeat instead of grouped by reshape, and the mask is built from the definition
+("query i sits at key position i + s_k - s_q; a window (left, right) sees keys [pos - left, pos +
+right]") rather than from block arithmetic.
+
+`xp=np` computes in float64 on the host (CPU tests); `xp=jnp` in float32 on the default device with
+Precision.HIGHEST (GPU tests: JAX's default f32 matmul on Hopper may use TF32, which would make the
+oracle less precise than the bf16 kernel it judges).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def visible_mask(s_q: int, s_k: int, window_size=(-1, -1), causal: bool = False, xp=np):
+    """(s_q, s_k) bool: may query i see key j?"""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else right
+    pos = xp.arange(s_q)[:, None] + (s_k - s_q)
+    j = xp.arange(s_k)[None, :]
+    vis = xp.ones((s_q, s_k), dtype=bool)
+    if right >= 0:
+        vis = vis & (j <= pos + right)
+    if left >= 0:
+        vis = vis & (j >= pos - left)
+    return vis
+
+
+def attention_oracle(q, k, v, *, softmax_scale: float, causal: bool = False, window_size=(-1, -1),
+                     softcap: float = 0.0, sinks=None, xp=np):
+    """Returns (o (b, s_q, h_q, d), lse (b, h_q, s_q)) in float64 (xp=np) or float32 (xp=jnp).
+
+    Rows that see no key: o = 0, lse = -inf; with sinks, lse = the sink logit.
+    """
+    dtype = np.float64 if xp is np else jnp.float32
+    q, k, v = (xp.asarray(x).astype(dtype) for x in (q, k, v))
+    b, s_q, h_q, d = q.shape
+    s_k, h_k = k.shape[1], k.shape[2]
+    g = h_q // h_k  # query head h reads kv head h // g
+    k, v = xp.repeat(k, g, axis=2), xp.repeat(v, g, axis=2)
+    kw = {} if xp is np else {"precision": jax.lax.Precision.HIGHEST}
+    s = xp.einsum("bqhd,bkhd->bhqk", q, k, **kw) * softmax_scale
+    if softcap:
+        s = softcap * xp.tanh(s / softcap)
+    s = xp.where(visible_mask(s_q, s_k, window_size, causal, xp)[None, None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True) if s_k else xp.full((b, h_q, s_q, 1), -np.inf, dtype)
+    if sinks is not None:
+        sk = xp.asarray(sinks).astype(dtype)[None, :, None, None]
+        m = xp.maximum(m, sk)
+    m = xp.where(xp.isfinite(m), m, 0.0)  # empty rows: exp(-inf - 0) = 0 instead of NaN
+    p = xp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + xp.exp(sk - m)
+    o = xp.einsum("bhqk,bkhd->bqhd", p / xp.where(l > 0, l, 1.0), v, **kw)
+    lse = xp.where(l > 0, xp.log(xp.where(l > 0, l, 1.0)) + m, -np.inf)[..., 0]
+    return o, lse
