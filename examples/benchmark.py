@@ -53,15 +53,16 @@ REL_ERR_LIMIT = 2e-2
 
 
 def hopper_device():
-    """The first GPU if it is compute capability 9.x, else None."""
+    """The first GPU if the kernels are built for it (fa4_jax._platform decides), else None."""
+    from fa4_jax import _platform
+
     try:
         devices = jax.devices("gpu")
     except RuntimeError:
         return None
-    if not devices:
+    if not devices or _platform.device_unavailable_reason(devices[0]) is not None:
         return None
-    cc = str(getattr(devices[0], "compute_capability", "") or "")
-    return devices[0] if cc.startswith("9.") else None
+    return devices[0]
 
 
 def _dist_version(name: str) -> str:

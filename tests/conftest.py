@@ -20,21 +20,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", GPU_MARKER)
 
 
-def _compute_capability(device) -> str | None:
-    cc = getattr(device, "compute_capability", None)
-    if cc:
-        return str(cc)
-    # Older/odd plugins without the attribute: fall back to the marketing name.
-    kind = str(getattr(device, "device_kind", ""))
-    if any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200")):
-        return "9.0"
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def hopper_skip_reason() -> str | None:
-    """None when a Hopper GPU is visible to jax, else why the gpu tests are skipped."""
+    """None when a GPU the kernels are built for is visible to jax, else why the gpu tests are skipped.
+
+    Asks fa4_jax._platform, the one place that decides whether the kernels can run on a device."""
     import jax  # imported lazily: a run without gpu tests should not pay for it
+
+    from fa4_jax import _platform
 
     try:
         devices = jax.devices("gpu")
@@ -42,10 +35,7 @@ def hopper_skip_reason() -> str | None:
         return f"no CUDA GPU visible to jax (default backend {jax.default_backend()!r})"
     if not devices:
         return "no CUDA GPU visible to jax"
-    cc = _compute_capability(devices[0])
-    if cc is None or not cc.startswith("9."):
-        return f"needs compute capability 9.x (Hopper); found {devices[0].device_kind!r} cc={cc}"
-    return None
+    return _platform.device_unavailable_reason(devices[0])
 
 
 def pytest_collection_modifyitems(config, items):
