@@ -61,6 +61,12 @@ class ScalarArg:
     expr: str
 
 
+def params_as_scalars(params: tuple[Field, ...], *names: str) -> tuple[ScalarArg, ...]:
+    """Scalar kernel arguments passed straight from same-named params fields (the common case)."""
+    by_name = {f.name: f for f in params}
+    return tuple(ScalarArg(by_name[n].c_type, n, f"p.{n}") for n in names)
+
+
 @dataclass(frozen=True)
 class KeyField:
     """One field of the C++ dispatch key: the variant dataclass field `name`, its C++ type, and how

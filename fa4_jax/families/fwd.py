@@ -13,7 +13,6 @@ from fa4_jax.families.base import (
     Field,
     KernelFamily,
     KeyField,
-    ScalarArg,
     TensorArg,
     Variant,
     arch_literal,
@@ -21,6 +20,7 @@ from fa4_jax.families.base import (
     dtype_literal,
     enum_literal,
     int_literal,
+    params_as_scalars,
     parse_hd,
 )
 
@@ -101,27 +101,30 @@ def _bshd(name: str, ptr: str, seq: str, heads: str, stride: str) -> TensorArg:
                      tuple(f"p.{stride}[{i}]" for i in range(3)))
 
 
+_PARAMS = (
+    # void* rather than const: the exported structs hold `void *data`; q/k/v are read-only.
+    Field("void *", "q"), Field("void *", "k"), Field("void *", "v"), Field("void *", "o"),
+    Field("float *", "lse"),
+    Field("float *", "sinks", "(h_q,) per-head logits joining the softmax denominator; -inf = none"),
+    Field("int32_t", "b"), Field("int32_t", "s_q"), Field("int32_t", "s_k"),
+    Field("int32_t", "h_q"), Field("int32_t", "h_k"),
+    Field("int64_t", "q_stride[3]", "{batch, seq, head} in elements; head_dim stride is 1"),
+    Field("int64_t", "k_stride[3]"), Field("int64_t", "v_stride[3]"), Field("int64_t", "o_stride[3]"),
+    Field("int64_t", "lse_stride[2]", "{batch, head}; the seq stride is 1"),
+    Field("float", "softmax_scale_log2", "log2(e) * (softcap if softcap else softmax_scale): the kernels use exp2"),
+    Field("float", "softcap_prescale", "softmax_scale / softcap: scores become tanh(s * this)"),
+    Field("int32_t", "window_left", "local mask: keys [i + s_k - s_q - left, i + s_k - s_q + right]"),
+    Field("int32_t", "window_right", "clamped to s_k / s_q by the handler when unbounded"),
+    Field("int32_t", "max_ctas", "persistent grid size: the device's SM count"),
+)
+
+
 FWD = KernelFamily(
     name="fwd",
     # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
     target="fa4_jax_fwd_v2",
     variant=FwdVariant,
-    params=(
-        # void* rather than const: the exported structs hold `void *data`; q/k/v are read-only.
-        Field("void *", "q"), Field("void *", "k"), Field("void *", "v"), Field("void *", "o"),
-        Field("float *", "lse"),
-        Field("float *", "sinks", "(h_q,) per-head logits joining the softmax denominator; -inf = none"),
-        Field("int32_t", "b"), Field("int32_t", "s_q"), Field("int32_t", "s_k"),
-        Field("int32_t", "h_q"), Field("int32_t", "h_k"),
-        Field("int64_t", "q_stride[3]", "{batch, seq, head} in elements; head_dim stride is 1"),
-        Field("int64_t", "k_stride[3]"), Field("int64_t", "v_stride[3]"), Field("int64_t", "o_stride[3]"),
-        Field("int64_t", "lse_stride[2]", "{batch, head}; the seq stride is 1"),
-        Field("float", "softmax_scale_log2", "log2(e) * (softcap if softcap else softmax_scale): the kernels use exp2"),
-        Field("float", "softcap_prescale", "softmax_scale / softcap: scores become tanh(s * this)"),
-        Field("int32_t", "window_left", "local mask: keys [i + s_k - s_q - left, i + s_k - s_q + right]"),
-        Field("int32_t", "window_right", "clamped to s_k / s_q by the handler when unbounded"),
-        Field("int32_t", "max_ctas", "persistent grid size: the device's SM count"),
-    ),
+    params=_PARAMS,
     tensors=(
         _bshd("mQ", "q", "s_q", "h_q", "q_stride"),
         _bshd("mK", "k", "s_k", "h_k", "k_stride"),
@@ -130,13 +133,8 @@ FWD = KernelFamily(
         TensorArg("mLSE", "p.lse", ("p.b", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
-    scalars=(
-        ScalarArg("float", "softmax_scale_log2", "p.softmax_scale_log2"),
-        ScalarArg("float", "softcap_prescale", "p.softcap_prescale"),
-        ScalarArg("int32_t", "window_left", "p.window_left"),
-        ScalarArg("int32_t", "window_right", "p.window_right"),
-        ScalarArg("int32_t", "max_ctas", "p.max_ctas"),
-    ),
+    scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
+                              "max_ctas"),
     key=(
         KeyField("arch", "int", arch_literal),
         KeyField("dtype", "::fa4_jax::DType", dtype_literal),
