@@ -59,7 +59,10 @@ int main(int argc, char **argv) {
   // As ffi/fwd.cc fills them: scale (or cap) * log2(e), scale / cap, unbounded sides clamped.
   float scale_log2 = (cap > 0 ? cap : scale) * 1.4426950408889634f, prescale = cap > 0 ? scale / cap : 1.f;
   int wl = left < 0 ? sk : left, wr = right < 0 ? sq : right;
-  int ret = CAT(cute_dsl_, CAT(VARIANT, _wrapper))(&mod, &tq, &tk, &tv, &to, &tl, &tsk, scale_log2, prescale, wl, wr, 0);
+  int sms = 0;  // the persistent grid size, as the handler passes it
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  int ret = CAT(cute_dsl_, CAT(VARIANT, _wrapper))(&mod, &tq, &tk, &tv, &to, &tl, &tsk, scale_log2, prescale, wl, wr,
+                                                   sms, 0);
   printf("wrapper ret=%d lasterr=%s\n", ret, cudaGetErrorString(cudaGetLastError()));
   CK(cudaDeviceSynchronize());
   std::vector<float> hl((size_t)b * hq * sq);
