@@ -60,7 +60,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float, 
     sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
     if any(_is_zero(d) for d in (q.shape[0], q.shape[1], k.shape[1])):
         return _empty(q, sinks)
-    return _attention(q, k, v, sinks, left, right, scale, cap, query_chunk)
+    return _attention(q, k, v, sinks, None, left, right, scale, cap, query_chunk)
 
 
 def _is_zero(d) -> bool:
@@ -77,8 +77,10 @@ def _empty(q, sinks):
 
 
 # Eager callers get one compiled program instead of ~30 op-by-op dispatches (2.6 s -> 0.6 s on CPU).
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, sinks, left: int, right: int, scale: float, softcap: float, query_chunk: int):
+@functools.partial(jax.jit, static_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, sinks, kv_len, left: int, right: int, scale: float, softcap: float, query_chunk: int):
+    """kv_len: None (every key of k is valid) or int32 (b,): batch b has kv_len[b] valid keys, and its
+    queries are the last s_q of them (bottom-right alignment per sequence, as for a KV cache)."""
     b, s_q, h_q, d = q.shape
     _, s_k, h_k, _ = k.shape
     g = h_q // h_k
@@ -89,21 +91,52 @@ def _attention(q, k, v, sinks, left: int, right: int, scale: float, softcap: flo
     qh = q.reshape(b, s_q, h_k, g, d).transpose(0, 2, 3, 1, 4)  # (b, h_k, g, s_q, d)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, h_k, s_k, d)
     sk = None if sinks is None else sinks.reshape(h_k, g)
-    block = lambda q_blk, row0: _attend_block(q_blk, row0, kh, vh, sk, left, right, scale, softcap, s_q)  # noqa: E731
 
-    if query_chunk == 0:
-        o, lse = block(qh, 0)
-    else:
-        n = -(-s_q // query_chunk)
-        # Padded rows are computed and dropped (a row's result depends only on its own index).
-        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, 0), (0, n * query_chunk - s_q), (0, 0)))
-        qs = jnp.moveaxis(qh.reshape(b, h_k, g, n, query_chunk, d), 3, 0)
-        rows0 = jnp.arange(n, dtype=jnp.int32) * query_chunk
-        o, lse = lax.map(lambda xs: block(*xs), (qs, rows0))
-        o = jnp.moveaxis(o, 0, 3).reshape(b, h_k, g, n * query_chunk, d)[..., :s_q, :]
-        lse = jnp.moveaxis(lse, 0, 3).reshape(b, h_k, g, n * query_chunk)[..., :s_q]
+    def block(q_blk, row0):
+        rows = row0 + jnp.arange(q_blk.shape[3], dtype=jnp.int32)
+        cols = jnp.arange(s_k, dtype=jnp.int32)
+        if kv_len is None:
+            # Bottom-right aligned: query row i sits at key position i + s_k - s_q.
+            visible = _window_mask(rows[:, None] + (s_k - s_q), cols[None, :], left, right)
+        else:
+            kl = kv_len[:, None, None, None, None]
+            visible = cols < kl
+            window = _window_mask(rows[:, None] + kl - s_q, cols, left, right)
+            visible = visible if window is None else visible & window
+        return _masked_attention(q_blk, kh, vh, visible, sk, scale, softcap)
 
+    o, lse = _map_query_chunks(block, qh, query_chunk)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, s_q, h_q, d), lse.reshape(b, h_q, s_q)
+
+
+def _map_query_chunks(block, qh, query_chunk: int):
+    """block(q (..., c, d), row0) -> (o (..., c, d), lse (..., c)) over the rows (axis -2) of qh,
+    `query_chunk` rows at a time (0: all at once)."""
+    *lead, s_q, d = qh.shape
+    if query_chunk == 0:
+        return block(qh, 0)
+    n = -(-s_q // query_chunk)
+    # Padded rows are computed and dropped (a row's result depends only on its own index).
+    pad = [(0, 0)] * len(lead) + [(0, n * query_chunk - s_q), (0, 0)]
+    qs = jnp.moveaxis(jnp.pad(qh, pad).reshape(*lead, n, query_chunk, d), len(lead), 0)
+    rows0 = jnp.arange(n, dtype=jnp.int32) * query_chunk
+    o, lse = lax.map(lambda xs: block(*xs), (qs, rows0))
+    o = jnp.moveaxis(o, 0, len(lead)).reshape(*lead, n * query_chunk, d)[..., :s_q, :]
+    lse = jnp.moveaxis(lse, 0, len(lead)).reshape(*lead, n * query_chunk)[..., :s_q]
+    return o, lse
+
+
+def _window_mask(diag, cols, left: int, right: int):
+    """Keys [diag - left, diag + right] (-1 = unbounded side); None when both sides are unbounded."""
+    if left < 0 and right < 0:
+        return None
+    vis = None
+    if right >= 0:
+        vis = cols <= diag + right
+    if left >= 0:
+        lo = cols >= diag - left
+        vis = lo if vis is None else vis & lo
+    return vis
 
 
 def _auto_chunk(b, s_q, h_q, s_k) -> int:
@@ -122,11 +155,11 @@ def _auto_chunk(b, s_q, h_q, s_k) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-def _attend_block(qh, row0, kh, vh, sinks, left: int, right: int, scale: float, softcap: float, s_q):
-    """qh: (b, h_k, g, c, d) queries whose first row is global row `row0`; kh, vh: (b, h_k, s_k, d);
-    sinks: None or (h_k, g) float32.
+def _masked_attention(qh, kh, vh, visible, sinks, scale: float, softcap: float):
+    """qh: (b, h_k, g, c, d); kh, vh: (b, h_k, s_k, d); visible: None or a bool mask broadcastable to
+    (b, h_k, g, c, s_k); sinks: None or (h_k, g) float32.
 
-    Returns o (b, h_k, g, c, d) in q.dtype and lse (b, h_k, g, c) float32.
+    Returns o (b, h_k, g, c, d) in qh.dtype and lse (b, h_k, g, c) float32.
     """
     b, h_k, g, c, d = qh.shape
     s_k = kh.shape[2]
@@ -137,15 +170,7 @@ def _attend_block(qh, row0, kh, vh, sinks, left: int, right: int, scale: float, 
     s = s * scale
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
-    if left >= 0 or right >= 0:
-        # Bottom-right aligned: query row i sits at key position i + s_k - s_q.
-        diag = row0 + jnp.arange(c, dtype=jnp.int32)[:, None] + (s_k - s_q)
-        cols = jnp.arange(s_k, dtype=jnp.int32)[None, :]
-        visible = jnp.ones((c, s_k), bool)
-        if right >= 0:
-            visible &= cols <= diag + right
-        if left >= 0:
-            visible &= cols >= diag - left
+    if visible is not None:
         s = jnp.where(visible, s, -jnp.inf)
 
     m = jnp.max(s, axis=-1)
