@@ -9,9 +9,14 @@ kernel library nor cutlass.
 """
 
 from fa4_jax.attention import attention
-from fa4_jax.reference import attention_reference
 from fa4_jax.families import FwdVariant
+from fa4_jax.kvcache import attention_with_kvcache, update_kvcache
+from fa4_jax.reference import attention_reference, attention_varlen_reference, attention_with_kvcache_reference
+from fa4_jax.varlen import attention_varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_reference", "FwdVariant", "__version__"]
+__all__ = [
+    "attention", "attention_reference", "attention_varlen", "attention_varlen_reference", "attention_with_kvcache",
+    "attention_with_kvcache_reference", "update_kvcache", "FwdVariant", "__version__",
+]

@@ -137,20 +137,17 @@ def check_implementation(implementation) -> str:
     return implementation
 
 
-def check_qkv(q, k, v, *, kernel_constraints: bool = True) -> None:
-    """Raises TypeError/ValueError naming the offending argument.
+_LAYOUTS = {4: "(batch, seqlen, heads, head_dim)", 3: "(total_tokens, heads, head_dim)"}
 
-    kernel_constraints=False relaxes dtype to any float and head_dim to any size: the pure-JAX
-    reference accepts those (e.g. float32 inputs for an accuracy oracle); the kernel and the API do not.
-    """
-    for name, x in (("q", q), ("k", k), ("v", v)):
+
+def _check_tensors(named: dict, rank: int, kernel_constraints: bool) -> None:
+    """Per-array checks: an array of `rank` (heads on axis -2), >= 1 heads, a float dtype."""
+    for name, x in named.items():
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be an array with .shape and .dtype; got {type(x).__name__}")
-        if len(x.shape) != 4:
-            raise ValueError(
-                f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got {name}.shape={tuple(x.shape)}"
-            )
-        if any(d < 0 for d in x.shape) or x.shape[2] < 1:
+        if len(x.shape) != rank:
+            raise ValueError(f"{name} must have rank {rank} {_LAYOUTS[rank]}; got {name}.shape={tuple(x.shape)}")
+        if any(d < 0 for d in x.shape) or x.shape[-2] < 1:
             # Zero batch or sequence length is fine (empty outputs, or rows that see no key); a
             # tensor without heads is not attention.
             raise ValueError(f"{name} must have >= 1 heads and no negative dimension; got {name}.shape={tuple(x.shape)}")
@@ -159,32 +156,119 @@ def check_qkv(q, k, v, *, kernel_constraints: bool = True) -> None:
             raise TypeError(f"{name} must be bfloat16 or float16; got {name}.dtype={dtype.name}")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"{name} must be a floating-point array; got {name}.dtype={dtype.name}")
+    names = list(named)
+    dtypes = [jnp.dtype(x.dtype) for x in named.values()]
+    if len(set(dtypes)) != 1:
+        got = ", ".join(f"{n}.dtype={d.name}" for n, d in zip(names, dtypes))
+        raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must share one dtype; got {got}")
 
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k and v must share one dtype; got q.dtype={jnp.dtype(q.dtype).name}, "
-            f"k.dtype={jnp.dtype(k.dtype).name}, v.dtype={jnp.dtype(v.dtype).name}"
-        )
 
-    (b, _, h_q, d), (b_k, s_k, h_k, d_k) = q.shape, k.shape
-    if not (d == d_k == v.shape[3]):
-        raise ValueError(
-            f"q, k and v must share head_dim (last axis); got q.shape={tuple(q.shape)}, "
-            f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
-        )
-    if kernel_constraints and d not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}; got head_dim={d} (q.shape={tuple(q.shape)})")
-    if not (b == b_k == v.shape[0]):
-        raise ValueError(
-            f"q, k and v must share the batch size (axis 0); got q.shape={tuple(q.shape)}, "
-            f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
-        )
+def _check_head_dim(q, k, v, names, kernel_constraints: bool) -> None:
+    nq, nk, nv = names
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"{nq}, {nk} and {nv} must share head_dim (last axis); got {nq}.shape={tuple(q.shape)}, "
+                         f"{nk}.shape={tuple(k.shape)}, {nv}.shape={tuple(v.shape)}")
+    if kernel_constraints and q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}; got head_dim={q.shape[-1]} ({nq}.shape={tuple(q.shape)})")
+
+
+def _check_kv_heads(q, k, v, names, layout: str) -> None:
+    """k and v alike, query heads a multiple of kv heads."""
+    _, nk, nv = names
     if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(
-            f"k and v must have the same shape (batch, seqlen_k, heads_kv, head_dim); "
-            f"got k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
-        )
+        raise ValueError(f"{nk} and {nv} must have the same shape {layout}; got {nk}.shape={tuple(k.shape)}, "
+                         f"{nv}.shape={tuple(v.shape)}")
+    h_q, h_k = q.shape[-2], k.shape[-2]
     if h_q % h_k != 0:
         raise ValueError(
             f"query heads must be a multiple of key/value heads (GQA/MQA); got heads_q={h_q}, heads_kv={h_k}"
         )
+
+
+def check_qkv(q, k, v, *, kernel_constraints: bool = True) -> None:
+    """Raises TypeError/ValueError naming the offending argument.
+
+    kernel_constraints=False relaxes dtype to any float and head_dim to any size: the pure-JAX
+    reference accepts those (e.g. float32 inputs for an accuracy oracle); the kernel and the API do not.
+    """
+    _check_tensors({"q": q, "k": k, "v": v}, 4, kernel_constraints)
+    _check_head_dim(q, k, v, ("q", "k", "v"), kernel_constraints)
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"q, k and v must share the batch size (axis 0); got q.shape={tuple(q.shape)}, "
+            f"k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+        )
+    _check_kv_heads(q, k, v, ("q", "k", "v"), "(batch, seqlen_k, heads_kv, head_dim)")
+
+
+def check_index(name: str, x, shape: tuple, meaning: str) -> None:
+    """An int32 index array of exactly `shape` (traced values are fine)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an int32 array {meaning}; got {type(x).__name__}")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(f"{name} must be int32 {meaning}; got {name}.dtype={jnp.dtype(x.dtype).name}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} {meaning}; got {name}.shape={tuple(x.shape)}")
+
+
+# Paged KV caches: page sizes the kernels tile (a page is whole K/V blocks, or a block is whole pages).
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, kernel_constraints: bool = True) -> None:
+    """q (b, s_q, h_q, d); contiguous caches (b, capacity, h_k, d), or with page_table int32
+    (b, max_pages) paged caches (num_pages, page_size, h_k, d); cache_seqlens int32 (b,)."""
+    names = ("q", "k_cache", "v_cache")
+    _check_tensors(dict(zip(names, (q, k_cache, v_cache))), 4, kernel_constraints)
+    _check_head_dim(q, k_cache, v_cache, names, kernel_constraints)
+    _check_kv_heads(q, k_cache, v_cache, names, "((batch or num_pages), (capacity or page_size), heads_kv, head_dim)")
+    b = q.shape[0]
+    check_index("cache_seqlens", cache_seqlens, (b,), "(batch,): valid keys per sequence, new tokens included")
+    if page_table is None:
+        if k_cache.shape[0] != b:
+            raise ValueError(
+                f"a contiguous cache is (batch, capacity, heads_kv, head_dim) with q's batch; got "
+                f"q.shape={tuple(q.shape)}, k_cache.shape={tuple(k_cache.shape)} (pass page_table for a paged cache)"
+            )
+        return
+    if not (hasattr(page_table, "shape") and len(page_table.shape) == 2):
+        raise ValueError(f"page_table must be int32 (batch, max_pages); got {getattr(page_table, 'shape', page_table)!r}")
+    check_index("page_table", page_table, (b, page_table.shape[1]), "(batch, max_pages): page ids of each sequence")
+    page_size = k_cache.shape[1]
+    if kernel_constraints and page_size not in PAGE_SIZES:
+        raise ValueError(
+            f"page_size (k_cache.shape[1] of a paged cache (num_pages, page_size, heads_kv, head_dim)) must be "
+            f"one of {PAGE_SIZES}; got k_cache.shape={tuple(k_cache.shape)}"
+        )
+
+
+def check_num_splits(num_splits) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be None (pick at run time) or a Python int >= 1; got {num_splits=!r}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None: pick at run time); got {num_splits=}")
+    return int(num_splits)
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, *,
+                 kernel_constraints: bool = True) -> int:
+    """Packed q (total_q, h_q, d), k/v (total_k, h_k, d); int32 offsets (batch + 1,); optional
+    seqused_k int32 (batch,); optional static max_seqlen hints. Returns the batch size."""
+    _check_tensors({"q": q, "k": k, "v": v}, 3, kernel_constraints)
+    _check_head_dim(q, k, v, ("q", "k", "v"), kernel_constraints)
+    _check_kv_heads(q, k, v, ("q", "k", "v"), "(total_tokens_k, heads_kv, head_dim)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not (hasattr(cu, "shape") and len(cu.shape) == 1 and cu.shape[0] >= 1):
+            raise ValueError(f"{name} must be int32 (batch + 1,) offsets; got {getattr(cu, 'shape', cu)!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    check_index("cu_seqlens_q", cu_seqlens_q, (batch + 1,), "(batch + 1,): offsets of the query sequences")
+    check_index("cu_seqlens_k", cu_seqlens_k, (batch + 1,),
+                f"(batch + 1,) = ({batch + 1},) like cu_seqlens_q: offsets of the key sequences")
+    if seqused_k is not None:
+        check_index("seqused_k", seqused_k, (batch,), "(batch,): keys used per sequence")
+    for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if x is not None and (isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0):
+            raise TypeError(f"{name} must be None or a static Python int >= 0 (a hint); got {name}={x!r}")
+    return batch

@@ -16,7 +16,9 @@ from jax import lax
 
 from fa4_jax._validation import (
     check_flag,
+    check_kvcache,
     check_qkv,
+    check_varlen,
     check_sinks,
     check_softcap,
     check_softmax_scale,
@@ -61,6 +63,98 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float, 
     if any(_is_zero(d) for d in (q.shape[0], q.shape[1], k.shape[1])):
         return _empty(q, sinks)
     return _attention(q, k, v, sinks, None, left, right, scale, cap, query_chunk)
+
+
+def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, causal: bool = False,
+                                     softmax_scale: float, window_size=(-1, -1), softcap: float = 0.0, sinks=None,
+                                     query_chunk: int | None = None):
+    """Attention of q (batch, seqlen_q, heads_q, d) against a KV cache; returns (o, lse) like
+    `attention_reference`. See `fa4_jax.attention_with_kvcache` for the arguments.
+
+    Sequence b has min(cache_seqlens[b], capacity) valid keys and its queries are the last seqlen_q
+    of them (query i sits at key position cache_seqlens[b] - seqlen_q + i). A paged cache is gathered
+    through page_table first; page ids out of range are clamped (the contract leaves their result
+    unspecified; nothing is written either way).
+    """
+    check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=False)
+    causal = check_flag("causal", causal)
+    scale = check_softmax_scale(softmax_scale)
+    cap = check_softcap(softcap, scale)
+    left, right = check_window(window_size, causal)
+    check_sinks(sinks, q.shape[2])
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    b, s_q, h_q, d = q.shape
+    if page_table is not None:
+        # (num_pages, page_size, h_k, d)[page_table] -> (b, max_pages * page_size, h_k, d)
+        k_cache, v_cache = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, -1, *x.shape[2:])
+                            for x in (k_cache, v_cache))
+    capacity = k_cache.shape[1]
+    if any(_is_zero(x) for x in (b, s_q, capacity)):
+        return _empty(q, sinks)
+    kv_len = jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)
+    if query_chunk is None:
+        query_chunk = _auto_chunk(b, s_q, h_q, capacity)
+    return _attention(q, k_cache, v_cache, sinks, kv_len, left, right, scale, cap, query_chunk)
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, causal: bool = False,
+                               softmax_scale: float, window_size=(-1, -1), softcap: float = 0.0, sinks=None,
+                               query_chunk: int | None = None):
+    """Attention of packed variable-length sequences; returns (o (total_q, heads_q, d), lse float32
+    (heads_q, total_q)). See `fa4_jax.attention_varlen` for the arguments.
+
+    Sequence b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and keys [cu_seqlens_k[b],
+    cu_seqlens_k[b] + n) with n = seqused_k[b] if given else cu_seqlens_k[b+1] - cu_seqlens_k[b];
+    masks are bottom-right aligned per sequence. Query rows past cu_seqlens_q[-1] belong to no
+    sequence and see no key.
+    """
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, kernel_constraints=False)
+    causal = check_flag("causal", causal)
+    scale = check_softmax_scale(softmax_scale)
+    cap = check_softcap(softcap, scale)
+    left, right = check_window(window_size, causal)
+    check_sinks(sinks, q.shape[1])
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    total_q, h_q, d = q.shape
+    total_k = k.shape[0]
+    if _is_zero(total_q) or _is_zero(total_k) or _is_zero(cu_seqlens_q.shape[0] - 1):
+        o, lse = _empty(q[None], sinks)
+        return o[0], lse[0]
+    if query_chunk is None:
+        query_chunk = _auto_chunk(1, total_q, h_q, total_k)
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, left, right, scale, cap,
+                             query_chunk)
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8, 9, 10, 11))
+def _attention_varlen(q, k, v, cu_q, cu_k, seqused_k, sinks, left: int, right: int, scale: float, softcap: float,
+                      query_chunk: int):
+    total_q, h_q, d = q.shape
+    total_k, h_k, _ = k.shape
+    g = h_q // h_k
+    batch = cu_q.shape[0] - 1
+    # One "batch" of packed rows: each row finds its sequence, and its keys by a mask.
+    qh = q.reshape(total_q, h_k, g, d).transpose(1, 2, 0, 3)[None]  # (1, h_k, g, total_q, d)
+    kh, vh = (x.transpose(1, 0, 2)[None] for x in (k, v))  # (1, h_k, total_k, d)
+    sk = None if sinks is None else sinks.reshape(h_k, g)
+    cols = jnp.arange(total_k, dtype=jnp.int32)
+
+    def block(q_blk, row0):
+        t = row0 + jnp.arange(q_blk.shape[3], dtype=jnp.int32)
+        seq = jnp.searchsorted(cu_q[1:], t, side="right").astype(jnp.int32)  # batch when past the end
+        in_seq = seq < batch
+        seq = jnp.minimum(seq, batch - 1)
+        q_start, q_len = cu_q[seq], cu_q[seq + 1] - cu_q[seq]
+        k_start = cu_k[seq]
+        k_len = seqused_k[seq] if seqused_k is not None else cu_k[seq + 1] - k_start
+        rel = cols[None, :] - k_start[:, None]  # key index within the row's sequence
+        visible = in_seq[:, None] & (rel >= 0) & (rel < k_len[:, None])
+        window = _window_mask((t - q_start + k_len - q_len)[:, None], rel, left, right)
+        visible = visible if window is None else visible & window
+        return _masked_attention(q_blk, kh, vh, visible, sk, scale, softcap)
+
+    o, lse = _map_query_chunks(block, qh, query_chunk)
+    return o[0].transpose(2, 0, 1, 3).reshape(total_q, h_q, d), lse[0].reshape(h_q, total_q)
 
 
 def _is_zero(d) -> bool:

@@ -1,0 +1,117 @@
+"""Inference against a KV cache: `attention_with_kvcache` and `update_kvcache`.
+
+Layouts (FlashAttention's `flash_attn_with_kvcache` conventions):
+  contiguous cache  k_cache, v_cache (batch, capacity, heads_kv, head_dim)
+  paged cache       k_cache, v_cache (num_pages, page_size, heads_kv, head_dim) with page_table int32
+                    (batch, max_pages): token p of sequence b lives in page page_table[b, p // page_size]
+                    at slot p % page_size
+  cache_seqlens     int32 (batch,)
+
+What is not checked (it would need a device-to-host sync): page ids in [0, num_pages) and
+cache_seqlens in [0, capacity]. Violations never write out of bounds (update_kvcache drops such
+writes; attention clamps cache_seqlens to the capacity and page ids to the cache), but their results
+are unspecified.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from fa4_jax._validation import (
+    _check_tensors,
+    check_flag,
+    check_kvcache,
+    check_num_splits,
+    check_sinks,
+    check_softcap,
+    check_softmax_scale,
+    check_window,
+)
+from fa4_jax.attention import resolve_without_kernel
+from fa4_jax.reference import attention_with_kvcache_reference
+
+STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, causal=False, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, sinks=None, num_splits=None, return_lse=False,
+                           implementation=None):
+    """Attention of new queries against a KV cache (decode, speculative decode, chunked prefill).
+
+    Args:
+      q: (batch, seqlen_q, heads_q, head_dim), bfloat16 or float16; seqlen_q >= 1.
+      k_cache, v_cache: contiguous (batch, capacity, heads_kv, head_dim), or with page_table paged
+        (num_pages, page_size, heads_kv, head_dim), page_size one of 16, 32, 64, 128, 256.
+      cache_seqlens: int32 (batch,), valid keys per sequence, the new tokens included: the queries are
+        the last seqlen_q of them (query i sits at key position cache_seqlens[b] - seqlen_q + i), which
+        is what causal and window_size are relative to.
+      page_table: None, or int32 (batch, max_pages) page ids of each sequence.
+      causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`.
+      num_splits: None picks the number of KV splits at run time; an int >= 1 forces it (kernel only;
+        the result does not depend on it).
+      implementation: None, "fa4" or "xla" as for `fa4_jax.attention`. This build has no KV-cache
+        kernel yet: None runs the exact XLA reference, "fa4" raises.
+
+    A row with no visible key (cache_seqlens 0, a window that excludes everything) gives o = 0 and
+    lse = -inf (with sinks: lse = the sink logit).
+
+    Returns o like q, or (o, lse) with lse float32 (batch, heads_q, seqlen_q).
+    Under jax.jit mark the non-array arguments static: attention_with_kvcache.STATIC_ARGNAMES.
+    """
+    check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_softmax_scale(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale)
+    cap = check_softcap(softcap, scale)
+    window = check_window(window_size, causal)
+    check_sinks(sinks, q.shape[2])
+    check_num_splits(num_splits)
+    resolve_without_kernel(implementation, "KV-cache attention")
+    o, lse = attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, page_table=page_table,
+                                              softmax_scale=scale, window_size=window, softcap=cap, sinks=sinks)
+    return (o, lse) if return_lse else o
+
+
+attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
+
+
+def update_kvcache(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None):
+    """The caches with k_new / v_new (batch, seqlen_new, heads_kv, head_dim) written at positions
+    cache_seqlens[b], ..., cache_seqlens[b] + seqlen_new - 1 of each sequence.
+
+    cache_seqlens are the lengths *before* the update (pass cache_seqlens + seqlen_new to
+    attention_with_kvcache afterwards). A plain XLA scatter: under jax.jit with the caches donated
+    (donate_argnums=(0, 1)) it updates them in place, without a copy. Positions past the capacity
+    (or past max_pages * page_size, or in a page id out of range) are dropped, never written.
+    """
+    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensors({name: x}, 4, kernel_constraints=False)  # each an array of rank 4 first
+    if tuple(k_new.shape) != tuple(v_new.shape) or k_new.dtype != v_new.dtype:
+        raise ValueError(f"k_new and v_new must have the same shape and dtype; got k_new {tuple(k_new.shape)} "
+                         f"{jnp.dtype(k_new.dtype).name}, v_new {tuple(v_new.shape)} {jnp.dtype(v_new.dtype).name}")
+    if k_new.shape[2:] != k_cache.shape[2:] or k_new.dtype != k_cache.dtype:
+        raise ValueError(
+            f"k_new must be (batch, seqlen_new, heads_kv, head_dim) with the cache's heads and dtype; got "
+            f"k_new {tuple(k_new.shape)} {jnp.dtype(k_new.dtype).name}, k_cache {tuple(k_cache.shape)} "
+            f"{jnp.dtype(k_cache.dtype).name}"
+        )
+    # The cache layout checks of attention, with k_new in q's place (its heads equal the cache's).
+    check_kvcache(k_new, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=False)
+    b, s_new = k_new.shape[:2]
+    pos = cache_seqlens[:, None] + jnp.arange(s_new, dtype=jnp.int32)[None, :]  # (b, s_new)
+    if page_table is None:
+        rows, slots = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], pos.shape), pos
+        outside = (pos < 0) | (pos >= k_cache.shape[1])
+    else:
+        page_size, max_pages = k_cache.shape[1], page_table.shape[1]
+        page_idx = pos // page_size
+        rows = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, max_pages - 1), axis=1)
+        slots = pos % page_size
+        outside = (pos < 0) | (page_idx >= max_pages) | (rows < 0) | (rows >= k_cache.shape[0])
+    # An index past the end is dropped by the scatter (mode="drop"); negative ones would wrap, so
+    # every position outside the cache is sent past the end first.
+    rows = jnp.where(outside, k_cache.shape[0], rows)
+    k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)  # (NumPy inputs; no copy for jax arrays)
+    return (k_cache.at[rows, slots].set(k_new, mode="drop"), v_cache.at[rows, slots].set(v_new, mode="drop"))

@@ -1,0 +1,58 @@
+"""Packed variable-length batches: `attention_varlen` (FlashAttention's `flash_attn_varlen_func`
+conventions: (total_tokens, heads, head_dim) tensors and int32 cumulative offsets)."""
+
+from __future__ import annotations
+
+import math
+
+from fa4_jax._validation import (
+    check_flag,
+    check_sinks,
+    check_softcap,
+    check_softmax_scale,
+    check_varlen,
+    check_window,
+)
+from fa4_jax.attention import resolve_without_kernel
+from fa4_jax.reference import attention_varlen_reference
+
+STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size", "softcap", "return_lse",
+                   "implementation")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                     causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
+                     implementation=None):
+    """Attention over a batch of sequences of different lengths, packed without padding.
+
+    Args:
+      q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); bfloat16 or float16.
+      cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b owns query rows
+        [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Empty
+        sequences are allowed. Offsets must be non-decreasing and within the tensors (not checked:
+        that needs a device sync; violations give unspecified results, never out-of-bounds writes).
+      max_seqlen_q, max_seqlen_k: optional static hints (ints) bounding the sequence lengths.
+      seqused_k: optional int32 (batch,): use only the first seqused_k[b] keys of sequence b.
+      causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`, with
+        masks aligned to the bottom-right corner of each sequence.
+      implementation: None, "fa4" or "xla". This build has no varlen kernel yet: None runs the exact
+        XLA reference, "fa4" raises.
+
+    Query rows past cu_seqlens_q[-1] belong to no sequence: o = 0 there.
+    Returns o like q, or (o, lse) with lse float32 (heads_q, total_q).
+    Under jax.jit mark the non-array arguments static: attention_varlen.STATIC_ARGNAMES.
+    """
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_softmax_scale(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale)
+    cap = check_softcap(softcap, scale)
+    window = check_window(window_size, causal)
+    check_sinks(sinks, q.shape[1])
+    resolve_without_kernel(implementation, "varlen attention")
+    o, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, softmax_scale=scale,
+                                        window_size=window, softcap=cap, sinks=sinks)
+    return (o, lse) if return_lse else o
+
+
+attention_varlen.STATIC_ARGNAMES = STATIC_ARGNAMES
