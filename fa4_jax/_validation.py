@@ -131,6 +131,18 @@ def check_sinks(sinks, heads_q: int) -> None:
         raise TypeError(f"sinks must be a floating-point array (used as float32); got sinks.dtype={jnp.dtype(sinks.dtype).name}")
 
 
+def check_options(*, causal, softmax_scale, window_size, softcap, sinks, heads_q: int, head_dim: int):
+    """The options every attention entry point shares, checked in one order. Returns
+    (softmax_scale, softcap, (window_left, window_right)) with causal folded into the window;
+    softmax_scale None means 1/sqrt(head_dim)."""
+    causal = check_flag("causal", causal)
+    scale = check_softmax_scale(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
+    cap = check_softcap(softcap, scale)
+    window = check_window(window_size, causal)
+    check_sinks(sinks, heads_q)
+    return scale, cap, window
+
+
 def check_implementation(implementation) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation=}")

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from fa4_jax import _platform
-from fa4_jax._validation import (
-    check_flag,
-    check_qkv,
-    check_sinks,
-    check_softcap,
-    check_softmax_scale,
-    check_window,
-    dtype_tag,
-)
+from fa4_jax._validation import check_flag, check_options, check_qkv, dtype_tag
 from fa4_jax.families import FwdVariant, mask_kind
 from fa4_jax.primitive import fa4_fwd_p
 
@@ -56,13 +46,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
       jax.jit(attention, static_argnames=fa4_jax.attention.STATIC_ARGNAMES)
     """
     check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     head_dim = q.shape[-1]
-    scale = check_softmax_scale(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
-    cap = check_softcap(softcap, scale)
-    left, right = _trim_window(*check_window(window_size, causal), q.shape[1], k.shape[1])
-    check_sinks(sinks, q.shape[2])
+    scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                       softcap=softcap, sinks=sinks, heads_q=q.shape[2], head_dim=head_dim)
+    left, right = _trim_window(*window, q.shape[1], k.shape[1])
     # Everything is validated before the device/library probe, so a bad argument is reported as such.
     variant = lambda arch: FwdVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0)  # noqa: E731
     implementation = resolve_implementation(implementation, variant)

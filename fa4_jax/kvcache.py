@@ -15,20 +15,9 @@ are unspecified.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
-from fa4_jax._validation import (
-    _check_tensors,
-    check_flag,
-    check_kvcache,
-    check_num_splits,
-    check_sinks,
-    check_softcap,
-    check_softmax_scale,
-    check_window,
-)
+from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
 from fa4_jax.attention import resolve_without_kernel
 from fa4_jax.reference import attention_with_kvcache_reference
 
@@ -61,12 +50,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     Under jax.jit mark the non-array arguments static: attention_with_kvcache.STATIC_ARGNAMES.
     """
     check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table)
-    causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
-    scale = check_softmax_scale(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale)
-    cap = check_softcap(softcap, scale)
-    window = check_window(window_size, causal)
-    check_sinks(sinks, q.shape[2])
+    scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                       softcap=softcap, sinks=sinks, heads_q=q.shape[2], head_dim=q.shape[-1])
     check_num_splits(num_splits)
     resolve_without_kernel(implementation, "KV-cache attention")
     o, lse = attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, page_table=page_table,

@@ -14,16 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fa4_jax._validation import (
-    check_flag,
-    check_kvcache,
-    check_qkv,
-    check_varlen,
-    check_sinks,
-    check_softcap,
-    check_softmax_scale,
-    check_window,
-)
+from fa4_jax._validation import check_kvcache, check_options, check_qkv, check_softmax_scale, check_varlen
 
 # Score tiles above this many float32 elements (256 MiB) are computed a query block at a time;
 # a 32-head 32k x 32k prefill would otherwise ask for 128 GiB.
@@ -50,11 +41,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float, 
     order (each row is independent, but XLA may order a reduction by the array's size).
     """
     check_qkv(q, k, v, kernel_constraints=False)
-    causal = check_flag("causal", causal)
-    scale = check_softmax_scale(softmax_scale)
-    cap = check_softcap(softcap, scale)
-    left, right = check_window(window_size, causal)
-    check_sinks(sinks, q.shape[2])
+    scale, cap, (left, right) = _options(causal, softmax_scale, window_size, softcap, sinks, q.shape[2])
     if query_chunk is None:
         query_chunk = _auto_chunk(q.shape[0], q.shape[1], q.shape[2], k.shape[1])
     elif isinstance(query_chunk, bool) or not (isinstance(query_chunk, int) and query_chunk >= 1):
@@ -77,11 +64,7 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page
     unspecified; nothing is written either way).
     """
     check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=False)
-    causal = check_flag("causal", causal)
-    scale = check_softmax_scale(softmax_scale)
-    cap = check_softcap(softcap, scale)
-    left, right = check_window(window_size, causal)
-    check_sinks(sinks, q.shape[2])
+    scale, cap, (left, right) = _options(causal, softmax_scale, window_size, softcap, sinks, q.shape[2])
     sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
     b, s_q, h_q, d = q.shape
     if page_table is not None:
@@ -109,11 +92,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
     sequence and see no key.
     """
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, kernel_constraints=False)
-    causal = check_flag("causal", causal)
-    scale = check_softmax_scale(softmax_scale)
-    cap = check_softcap(softcap, scale)
-    left, right = check_window(window_size, causal)
-    check_sinks(sinks, q.shape[1])
+    scale, cap, (left, right) = _options(causal, softmax_scale, window_size, softcap, sinks, q.shape[1])
     sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
     total_q, h_q, d = q.shape
     total_k = k.shape[0]
@@ -155,6 +134,13 @@ def _attention_varlen(q, k, v, cu_q, cu_k, seqused_k, sinks, left: int, right: i
 
     o, lse = _map_query_chunks(block, qh, query_chunk)
     return o[0].transpose(2, 0, 1, 3).reshape(total_q, h_q, d), lse[0].reshape(h_q, total_q)
+
+
+def _options(causal, softmax_scale, window_size, softcap, sinks, heads_q):
+    """check_options for the references, which take softmax_scale explicitly (no default)."""
+    check_softmax_scale(softmax_scale)
+    return check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                         sinks=sinks, heads_q=heads_q, head_dim=1)
 
 
 def _is_zero(d) -> bool:

@@ -3,16 +3,7 @@ conventions: (total_tokens, heads, head_dim) tensors and int32 cumulative offset
 
 from __future__ import annotations
 
-import math
-
-from fa4_jax._validation import (
-    check_flag,
-    check_sinks,
-    check_softcap,
-    check_softmax_scale,
-    check_varlen,
-    check_window,
-)
+from fa4_jax._validation import check_flag, check_options, check_varlen
 from fa4_jax.attention import resolve_without_kernel
 from fa4_jax.reference import attention_varlen_reference
 
@@ -43,12 +34,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     Under jax.jit mark the non-array arguments static: attention_varlen.STATIC_ARGNAMES.
     """
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k)
-    causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
-    scale = check_softmax_scale(1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale)
-    cap = check_softcap(softcap, scale)
-    window = check_window(window_size, causal)
-    check_sinks(sinks, q.shape[1])
+    scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                       softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
     resolve_without_kernel(implementation, "varlen attention")
     o, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, softmax_scale=scale,
                                         window_size=window, softcap=cap, sinks=sinks)
