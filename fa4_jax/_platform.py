@@ -9,6 +9,7 @@ registered, and the variant's module actually loads on that device.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from fa4_jax.families import ARCH_CC, default_menu
@@ -34,6 +35,7 @@ def device_arch(device) -> str | None:
     return _ARCH_BY_CAPABILITY.get(str(getattr(device, "compute_capability", "")))
 
 
+@functools.cache  # asked on every call of the API; the menu is fixed
 def shipped_arches() -> frozenset[str]:
     """Architectures the default build has kernels for (today: Hopper)."""
     return frozenset(v.arch for v in default_menu())

@@ -179,35 +179,32 @@ ffi::Error Resolve(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error Initialize(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                      ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                      float softmax_scale, float softcap, int32_t window_left, int32_t window_right) {
+// Both stages share one body: initialize (run before any CUDA-graph capture) loads the variant on
+// the device; execute launches it.
+template <ffi::ExecutionStage kStage>
+ffi::Error Stage(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer sinks,
+                 ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, float softcap,
+                 int32_t window_left, int32_t window_right) {
   Resolved r;
   const Attrs a{softmax_scale, softcap, window_left, window_right};
   if (ffi::Error err = Resolve(stream, q, k, v, sinks, o, lse, a, r); err.failure()) return err;
   if (r.empty) return ffi::Error::Success();
-  if (std::string err = EnsureLoaded(r.variant->info(), r.device); !err.empty())
-    return ffi::Error::Internal(std::string(kTarget) + ": " + r.variant->symbol + " cannot run: " + err);
-  return ffi::Error::Success();
-}
-
-ffi::Error Execute(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::AnyBuffer sinks, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                   float softmax_scale, float softcap, int32_t window_left, int32_t window_right) {
-  Resolved r;
-  const Attrs a{softmax_scale, softcap, window_left, window_right};
-  if (ffi::Error err = Resolve(stream, q, k, v, sinks, o, lse, a, r); err.failure()) return err;
-  if (r.empty) return ffi::Error::Success();
-  const Params &p = r.params;
-  // The kernels were compiled assuming these base-pointer alignments (assumed_align of the fake
-  // tensors): 16 bytes for q/k/v/o (TMA), 4 for lse. XLA's buffers are far more aligned; this
-  // guards other callers.
-  for (const void *ptr : {p.q, p.k, p.v, p.o})
-    if (!Aligned(ptr, 16)) return Invalid(std::string(r.variant->symbol) + ": q, k, v and o must be 16-byte aligned");
-  if (!Aligned(p.lse, 4) || !Aligned(p.sinks, 4))
-    return Invalid(std::string(r.variant->symbol) + ": lse and sinks must be 4-byte aligned");
-  if (ffi::Error err = PrepareForLaunch(kTarget, r.variant->info(), stream, r.device); err.failure()) return err;
-  return CheckedLaunch(kTarget, r.variant->symbol, [&] { return r.variant->launch(p); });
+  if constexpr (kStage == ffi::ExecutionStage::kInitialize) {
+    if (std::string err = EnsureLoaded(r.variant->info(), r.device); !err.empty())
+      return ffi::Error::Internal(std::string(kTarget) + ": " + r.variant->symbol + " cannot run: " + err);
+    return ffi::Error::Success();
+  } else {
+    const Params &p = r.params;
+    // The kernels were compiled assuming these base-pointer alignments (assumed_align of the fake
+    // tensors): 16 bytes for q/k/v/o (TMA), 4 for lse. XLA's buffers are far more aligned; this
+    // guards other callers.
+    for (const void *ptr : {p.q, p.k, p.v, p.o})
+      if (!Aligned(ptr, 16)) return Invalid(std::string(r.variant->symbol) + ": q, k, v and o must be 16-byte aligned");
+    if (!Aligned(p.lse, 4) || !Aligned(p.sinks, 4))
+      return Invalid(std::string(r.variant->symbol) + ": lse and sinks must be 4-byte aligned");
+    if (ffi::Error err = PrepareForLaunch(kTarget, r.variant->info(), stream, r.device); err.failure()) return err;
+    return CheckedLaunch(kTarget, r.variant->symbol, [&] { return r.variant->launch(p); });
+  }
 }
 
 template <ffi::ExecutionStage stage>
@@ -226,13 +223,14 @@ auto Binding() {
       .template Attr<int32_t>("window_right");
 }
 
-XLA_FFI_DEFINE_HANDLER(kInitialize, Initialize, Binding<ffi::ExecutionStage::kInitialize>());
+XLA_FFI_DEFINE_HANDLER(kInitialize, Stage<ffi::ExecutionStage::kInitialize>,
+                       Binding<ffi::ExecutionStage::kInitialize>());
 // Command-buffer compatible (XLA may capture this call into a CUDA graph and replay it): execute
 // launches exactly one kernel on the given stream with parameters that depend only on the buffers
 // and attributes; it allocates nothing, synchronizes nothing and never loads a module under capture
 // (PrepareForLaunch refuses). The kernels' own host code is checked at build time: fa4_jax.aot fails
 // the build if an object references a CUDA call that is illegal during capture.
-XLA_FFI_DEFINE_HANDLER(kExecute, Execute, Binding<ffi::ExecutionStage::kExecute>(),
+XLA_FFI_DEFINE_HANDLER(kExecute, Stage<ffi::ExecutionStage::kExecute>, Binding<ffi::ExecutionStage::kExecute>(),
                        {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace

@@ -61,3 +61,22 @@ def attention_oracle(q, k, v, *, softmax_scale: float, causal: bool = False, win
     o = xp.einsum("bhqk,bkhd->bqhd", p / xp.where(l > 0, l, 1.0), v, **kw)
     lse = xp.where(l > 0, xp.log(xp.where(l > 0, l, 1.0)) + m, -np.inf)[..., 0]
     return o, lse
+
+
+def make_sinks(seed, h_q, scale=2.0):
+    """Per-head sink logits of the same order as the scores (|s| ~ 1-3), so they move the softmax visibly."""
+    return (scale * np.random.default_rng(seed).standard_normal(h_q)).astype(np.float32)
+
+
+# The option combinations every entry point's accuracy tests sweep (8 query heads). Softcap cases
+# want inputs at scale 2 so the scaled scores (std ~4) reach the cap of 5.
+OPTION_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window_left": dict(window_size=(9, -1)),
+    "window_two_sided": dict(window_size=(6, 2)),
+    "causal_window": dict(causal=True, window_size=(5, -1)),
+    "softcap": dict(softcap=5.0),
+    "sinks": dict(sinks=make_sinks(1, 8)),
+    "everything": dict(causal=True, window_size=(11, -1), softcap=5.0, sinks=make_sinks(2, 8)),
+}

@@ -18,7 +18,11 @@ import fa4_jax
 from fa4_jax import FwdVariant, _platform, attention, attention_reference
 from fa4_jax.families import default_menu
 from fa4_jax.primitive import fa4_fwd_p
-from oracle import attention_oracle
+from oracle import attention_oracle, make_sinks as _make_sinks
+
+
+def make_sinks(seed, h_q=4):
+    return _make_sinks(seed, h_q)
 
 # `fa4_jax.attention` the attribute is the function; the module is only reachable by its import name.
 api = importlib.import_module("fa4_jax.attention")
@@ -34,9 +38,6 @@ def make_qkv(seed, *, b=2, s_q=24, s_k=40, h_q=4, h_k=2, d=64, dtype=jnp.bfloat1
     draw = lambda s, h, dd=d: rng.standard_normal((b, s, h, dd), dtype=np.float32).astype(dtype)
     return draw(s_q, h_q), draw(s_k, h_k), draw(s_k, h_k)
 
-
-def make_sinks(seed, h_q=4):
-    return (2.0 * np.random.default_rng(seed).standard_normal(h_q)).astype(np.float32)
 
 
 def f64(x):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fa4_jax import attention_with_kvcache, update_kvcache
-from oracle import attention_oracle, visible_mask
+from oracle import OPTION_CASES, attention_oracle, make_sinks, visible_mask
 
 # The module itself: the no_run fixture replaces the reference it calls.
 kvcache = importlib.import_module("fa4_jax.kvcache")
@@ -40,10 +40,6 @@ def draw(rng, shape, dtype=jnp.bfloat16, scale=1.0):
     # NumPy arrays of the target dtype: no per-shape XLA conversion to compile.
     return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 
-
-def make_sinks(seed, h_q):
-    """Sink logits of the same order as the scores, so they move the softmax visibly."""
-    return (2.0 * np.random.default_rng(seed).standard_normal(h_q)).astype(np.float32)
 
 
 def make_inputs(seed, *, b, s_q, cache_shape, h_q, h_k, dtype=jnp.bfloat16, scale=1.0):
@@ -114,17 +110,7 @@ def check_result(o, lse, q, k_cache, v_cache, cache_seqlens, *, page_table=None,
 CAPACITY = 80
 SEQLENS = np.array([0, 1, 37, CAPACITY], np.int32)
 
-# Softcap cases draw inputs at scale 2 so the scaled scores (std ~4) reach the cap of 5.
-CASES = {
-    "plain": dict(),
-    "causal": dict(causal=True),
-    "window_left": dict(window_size=(9, -1)),
-    "window_two_sided": dict(window_size=(6, 2)),
-    "causal_window": dict(causal=True, window_size=(5, -1)),
-    "softcap": dict(softcap=5.0),
-    "sinks": dict(sinks=make_sinks(1, 8)),
-    "everything": dict(causal=True, window_size=(11, -1), softcap=5.0, sinks=make_sinks(2, 8)),
-}
+CASES = OPTION_CASES  # shared with the other entry points' tests (tests/oracle.py)
 
 
 # Every case with 4 speculative queries; decode (1 query, where causal hides nothing) with a few.

@@ -15,7 +15,7 @@ import pytest
 
 import fa4_jax.reference as reference
 from fa4_jax import attention_reference
-from oracle import attention_oracle, visible_mask
+from oracle import attention_oracle, make_sinks, visible_mask
 
 # Unit roundoff (half the gap between 1 and the next number): 7 and 10 stored mantissa bits.
 UNIT_ROUNDOFF = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}
@@ -29,10 +29,6 @@ def make_qkv(seed, *, b=2, s_q=33, s_k=33, h_q=4, h_k=2, d=64, dtype=jnp.bfloat1
     draw = lambda s, h: (scale * rng.standard_normal((b, s, h, d), dtype=np.float32)).astype(dtype)
     return draw(s_q, h_q), draw(s_k, h_k), draw(s_k, h_k)
 
-
-def make_sinks(seed, h_q, scale=2.0):
-    """Per-head sink logits of the same order as the scores, so they move the softmax visibly."""
-    return (scale * np.random.default_rng(seed).standard_normal(h_q)).astype(np.float32)
 
 
 def f64(x):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fa4_jax import attention_varlen
-from oracle import attention_oracle, visible_mask
+from oracle import OPTION_CASES, attention_oracle, make_sinks, visible_mask
 
 # The module itself: the no_run fixture replaces the reference it calls.
 varlen = importlib.import_module("fa4_jax.varlen")
@@ -43,10 +43,6 @@ def f64(x):
 def offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
-
-def make_sinks(seed, h_q):
-    """Sink logits of the same order as the scores, so they move the softmax visibly."""
-    return (2.0 * np.random.default_rng(seed).standard_normal(h_q)).astype(np.float32)
 
 
 def make_packed(seed, seqs=SEQS, *, h_q=8, h_k=2, dtype=jnp.bfloat16, scale=1.0, extra_q=EXTRA_Q, extra_k=EXTRA_K):
@@ -109,17 +105,7 @@ def check_result(o, lse, q, k, v, cu_q, cu_k, seqused_k=None, *, softmax_scale=S
 
 # -- accuracy -----------------------------------------------------------------------------------
 
-# Softcap cases draw inputs at scale 2 so the scaled scores (std ~4) reach the cap of 5.
-CASES = {
-    "plain": dict(),
-    "causal": dict(causal=True),
-    "window_left": dict(window_size=(9, -1)),
-    "window_two_sided": dict(window_size=(6, 2)),
-    "causal_window": dict(causal=True, window_size=(5, -1)),
-    "softcap": dict(softcap=5.0),
-    "sinks": dict(sinks=make_sinks(1, 8)),
-    "everything": dict(causal=True, window_size=(11, -1), softcap=5.0, sinks=make_sinks(2, 8)),
-}
+CASES = OPTION_CASES  # shared with the other entry points' tests (tests/oracle.py)
 
 
 # Every case over whole key segments; seqused_k with a few.
