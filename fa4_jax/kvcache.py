@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
-from fa4_jax.attention import resolve_without_kernel
-from fa4_jax.reference import attention_with_kvcache_reference
+from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options, dtype_tag
+from fa4_jax.attention import _trim_window, resolve_implementation
+from fa4_jax.families import KVCacheVariant, mask_kind
+from fa4_jax.families.kvcache import HEAD_DIMS as KVCACHE_HEAD_DIMS
+from fa4_jax.primitive_kvcache import fa4_kvcache_p
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
 
@@ -38,10 +40,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
         is what causal and window_size are relative to.
       page_table: None, or int32 (batch, max_pages) page ids of each sequence.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`.
-      num_splits: None picks the number of KV splits at run time; an int >= 1 forces it (kernel only;
-        the result does not depend on it).
-      implementation: None, "fa4" or "xla" as for `fa4_jax.attention`. This build has no KV-cache
-        kernel yet: None runs the exact XLA reference, "fa4" raises.
+      num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
+        the GPU's SM count; an int >= 1 forces it (kernel only; the result does not depend on it
+        beyond float rounding). Splits are merged by an LSE-weighted combine in the same call.
+      implementation: None, "fa4" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64, 128, 256).
 
     A row with no visible key (cache_seqlens 0, a window that excludes everything) gives o = 0 and
     lse = -inf (with sinks: lse = the sink logit).
@@ -53,10 +55,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[2], head_dim=q.shape[-1])
-    check_num_splits(num_splits)
-    resolve_without_kernel(implementation, "KV-cache attention")
-    o, lse = attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, page_table=page_table,
-                                              softmax_scale=scale, window_size=window, softcap=cap, sinks=sinks)
+    num_splits = check_num_splits(num_splits)
+    paged = page_table is not None
+    capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+    left, right = _trim_window(*window, q.shape[1], capacity)
+    head_dim = q.shape[-1]
+    if head_dim not in KVCACHE_HEAD_DIMS and implementation != "xla":
+        if implementation == "fa4":
+            raise RuntimeError(f'implementation="fa4" cannot run here: the KV-cache kernels support head_dim '
+                               f'{KVCACHE_HEAD_DIMS}, got {head_dim}; use implementation="xla" or None')
+        implementation = "xla"
+    variant = lambda arch: KVCacheVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0,  # noqa: E731
+                                          paged)
+    implementation = resolve_implementation(implementation, variant)
+    operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
+    o, lse = fa4_kvcache_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
+                                has_sinks=sinks is not None, paged=paged, num_splits=num_splits or 0,
+                                implementation=implementation)
     return (o, lse) if return_lse else o
 
 

@@ -4,6 +4,7 @@ path of attention_with_kvcache on the device."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -55,3 +56,160 @@ def test_attention_with_kvcache_paged_on_gpu():
         ro, rl = attention_oracle(q[i:i + 1], k, v, causal=True, softmax_scale=d ** -0.5, xp=jnp)
         np.testing.assert_allclose(np.asarray(o[i:i + 1], np.float32), np.asarray(ro), atol=2e-2, rtol=0)
         np.testing.assert_allclose(np.asarray(lse[i:i + 1]), np.asarray(rl), atol=1e-3, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The KV-cache kernel (fa4_jax/kernels/kvcache_sm90.py) against the fp32 oracle, accuracy rule of
+# tests/accuracy.py; each case twice with fresh inputs after poisoning the allocator.
+# --------------------------------------------------------------------------------------------------
+
+from accuracy import check_against_reference, poison_allocator  # noqa: E402
+from oracle import OPTION_CASES, make_sinks  # noqa: E402
+
+from fa4_jax.families import KVCacheVariant, mask_kind  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def built():
+    from fa4_jax import _ffi
+
+    _ffi.register_targets()
+    return _ffi.compiled_variants()
+
+
+def _require(built, dtype, hd, opts, paged):
+    left, right = opts.get("window_size", (-1, -1))
+    if opts.get("causal"):
+        right = 0 if right < 0 else right
+    v = KVCacheVariant("sm90", dtype, hd, mask_kind(left, right), opts.get("softcap", 0.0) > 0, paged)
+    if v not in built:
+        pytest.skip(f"{v.symbol} not in the built menu (FA4_JAX_VARIANTS narrowed the build)")
+
+
+def _oracle(q, kc, vc, lens, table, opts):
+    """Per sequence: its valid keys (gathered through the page table), the shared oracle in fp32."""
+    b, s_q, h_q, d = q.shape
+    kw = dict(opts)
+    kw.setdefault("softmax_scale", d ** -0.5)
+    outs = []
+    for i in range(b):
+        k, v = (x[table[i]].reshape(-1, *x.shape[2:]) if table is not None else x[i] for x in (kc, vc))
+        n = int(min(max(lens[i], 0), k.shape[0]))
+        outs.append(attention_oracle(q[i:i + 1], k[None, :n], v[None, :n], xp=jnp, **kw))
+    return jnp.concatenate([o for o, _ in outs]), jnp.concatenate([l for _, l in outs])
+
+
+def run_kv_case(built, *, b, s_q, h_q, h_k, lens, capacity, opts=None, dtype="bf16", hd=128, page_size=None,
+                num_splits=None, seed=0):
+    opts = dict(opts or {})
+    _require(built, dtype, hd, opts, page_size is not None)
+    dt = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[dtype]
+    rng = np.random.default_rng(seed)
+    lens = np.asarray(lens, np.int32)
+    scale = 2.0 if opts.get("softcap") else 1.0  # scores must reach the cap
+    table = None
+    if page_size is not None:
+        max_pages = -(-capacity // page_size)
+        num_pages = b * max_pages + 3
+        table = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+        if b > 1:
+            table[1, 0] = table[0, 0]  # a shared (prefix) page
+        kv_shape = (num_pages, page_size, h_k, hd)
+    else:
+        kv_shape = (b, capacity, h_k, hd)
+    sinks = opts.pop("sinks", None)
+    sinks = None if sinks is None else jnp.asarray(make_sinks(seed + 5, h_q))
+    kw = dict(return_lse=True, num_splits=num_splits, **opts)
+
+    @jax.jit
+    def both(q, kc, vc, n, t, s):
+        return (fa4_jax.attention_with_kvcache(q, kc, vc, n, page_table=t, sinks=s, implementation="fa4", **kw),
+                fa4_jax.attention_with_kvcache(q, kc, vc, n, page_table=t, sinks=s, implementation="xla", **kw))
+
+    what = f"kvcache {dtype} hd{hd} b={b} s_q={s_q} h={h_q}/{h_k} lens={lens.tolist()} page={page_size} " \
+           f"splits={num_splits} {opts} sinks={sinks is not None}"
+    for run in range(2):
+        ks = jax.random.split(jax.random.key(seed * 2 + run), 3)
+        q = (scale * jax.random.normal(ks[0], (b, s_q, h_q, hd), jnp.float32)).astype(dt)
+        kc = (scale * jax.random.normal(ks[1], kv_shape, jnp.float32)).astype(dt)
+        vc = jax.random.normal(ks[2], kv_shape, jnp.float32).astype(dt)
+        poison_allocator(((b, s_q, h_q, hd), dt), ((b, h_q, s_q), jnp.float32))
+        ours, xla = both(q, kc, vc, jnp.asarray(lens), None if table is None else jnp.asarray(table), sinks)
+        ref = _oracle(q, kc, vc, lens, table, dict(opts, **({} if sinks is None else {"sinks": sinks})))
+        check_against_reference(ours, xla, ref, what=f"{what} run {run}")
+
+
+GQA = {"mha": 8, "gqa4": 2, "mqa": 1}
+
+
+@pytest.mark.parametrize("heads_kv", list(GQA), ids=list(GQA))
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_kvcache_options_gqa(built, case, heads_kv):
+    # Lengths 0 (no key), 1, not multiples of the 128-key block, and the full capacity.
+    run_kv_case(built, b=4, s_q=3, h_q=8, h_k=GQA[heads_kv], lens=[0, 1, 300, 512], capacity=512,
+                opts=OPTION_CASES[case], seed=len(case))
+
+
+@pytest.mark.parametrize("num_splits", [1, None, 7, 64])
+def test_kvcache_decode_splits(built, num_splits):
+    # Decode: one query, 32 q-heads over 8 KV heads; a forced 64 splits leaves most of them empty.
+    run_kv_case(built, b=2, s_q=1, h_q=32, h_k=8, lens=[4000, 1537], capacity=4096, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, None, 5])
+@pytest.mark.parametrize("case", ["plain", "everything"])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_kvcache_paged(built, page_size, case, num_splits):
+    # Shuffled pages, one page shared by two sequences, lengths not multiples of the page.
+    run_kv_case(built, b=3, s_q=2, h_q=8, h_k=2, lens=[page_size * 3 + 5, 1, 700], capacity=768,
+                page_size=page_size, opts=OPTION_CASES[case], num_splits=num_splits, seed=page_size)
+
+
+@pytest.mark.parametrize("num_splits", [1, None, 3])
+def test_kvcache_chunked_prefill(built, num_splits):
+    # 70 queries x 4 q-heads per KV head = 280 packed rows: five query tiles per KV head.
+    run_kv_case(built, b=2, s_q=70, h_q=8, h_k=2, lens=[70, 900], capacity=1024, opts=dict(causal=True),
+                num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64)])
+def test_kvcache_dtypes_head_dims(built, dtype, hd):
+    run_kv_case(built, b=2, s_q=2, h_q=16, h_k=4, lens=[333, 1000], capacity=1024, dtype=dtype, hd=hd,
+                opts=dict(causal=True, sinks=make_sinks(0, 16)))
+    run_kv_case(built, b=2, s_q=1, h_q=16, h_k=4, lens=[2000, 47], capacity=2048, dtype=dtype, hd=hd,
+                page_size=64, seed=3)
+
+
+def test_kvcache_vmap(built):
+    _require(built, "bf16", 128, {}, False)
+    b, cap, h_q, h_k, d, n = 2, 384, 8, 2, 128, 3
+    ks = jax.random.split(jax.random.key(11), 4)
+    q = jax.random.normal(ks[0], (n, b, 1, h_q, d), jnp.float32).astype(jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (n, b, cap, h_k, d), jnp.float32).astype(jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (n, b, cap, h_k, d), jnp.float32).astype(jnp.bfloat16)
+    lens = jnp.array([[100, 384], [1, 200], [383, 0]], jnp.int32)
+    f = functools.partial(fa4_jax.attention_with_kvcache, implementation="fa4")
+    # Everything mapped (folds into the batch), and only q mapped (a shared cache: folds into heads).
+    all_mapped = jax.jit(jax.vmap(f))(q, kc, vc, lens)
+    q_only = jax.jit(jax.vmap(f, in_axes=(0, None, None, None)))(q, kc[0], vc[0], lens[0])
+    for i in range(n):
+        want = f(q[i], kc[i], vc[i], lens[i])
+        np.testing.assert_array_equal(np.asarray(all_mapped[i], np.float32), np.asarray(want, np.float32))
+        want0 = f(q[i], kc[0], vc[0], lens[0])
+        np.testing.assert_array_equal(np.asarray(q_only[i], np.float32), np.asarray(want0, np.float32))
+
+
+def test_kvcache_ffi_rejects_num_splits_over_workspace(built):
+    _require(built, "bf16", 128, {}, False)
+    from fa4_jax.families import KVCACHE
+
+    q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
+    kc = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+    call = jax.ffi.ffi_call(KVCACHE.target, (
+        jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 8, 1), jnp.float32),
+        jax.ShapeDtypeStruct((2, 1, 1, 8, 128), jnp.float32), jax.ShapeDtypeStruct((2, 1, 8, 1), jnp.float32)))
+    with pytest.raises(Exception, match=r"num_splits must be 0 \(auto\) or in \[1, 2\] \(the workspace's extent\); got 3"):
+        jax.block_until_ready(call(q, kc, kc, jnp.array([10], jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                                   jnp.full((8,), -jnp.inf, jnp.float32), softmax_scale=np.float32(0.1),
+                                   softcap=np.float32(0), window_left=np.int32(-1), window_right=np.int32(-1),
+                                   num_splits=np.int32(3), paged=False))

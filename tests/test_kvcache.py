@@ -180,12 +180,13 @@ def test_num_splits_does_not_change_the_result():
 
 @pytest.fixture
 def no_run(monkeypatch):
-    """Any call of the reference fails the test: validation must come first."""
+    """Any bind of the primitive (kernel or reference) fails the test: validation must come first."""
 
-    def run(*args, **kwargs):
-        raise AssertionError("attention_with_kvcache ran before its arguments were validated")
+    class Refuse:
+        def bind(self, *args, **kwargs):
+            raise AssertionError("attention_with_kvcache ran before its arguments were validated")
 
-    monkeypatch.setattr(kvcache, "attention_with_kvcache_reference", run)
+    monkeypatch.setattr(kvcache, "fa4_kvcache_p", Refuse())
 
 
 @pytest.mark.parametrize(
@@ -265,10 +266,10 @@ def test_bad_inputs_rejected_before_running(case, no_run):
         attention_with_kvcache(q, k, v, seqlens, page_table=table)
 
 
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks the CPU message")
 def test_implementation_choice(no_run):
     q, k, v, seqlens, _ = _args()
-    with pytest.raises(RuntimeError, match=r'implementation="fa4" cannot run here: fa4_jax has no KV-cache '
-                                           r'attention kernel yet'):
+    with pytest.raises(RuntimeError, match=r'implementation="fa4" cannot run here: the default device is \'cpu\''):
         attention_with_kvcache(q, k, v, seqlens, implementation="fa4")
     with pytest.raises(ValueError, match=r'implementation must be None, "fa4" or "xla"; got implementation=\'cudnn\''):
         attention_with_kvcache(q, k, v, seqlens, implementation="cudnn")

@@ -14,13 +14,15 @@ from dataclasses import fields
 
 from fa4_jax.families.base import ARCH_CC, DTYPES, KernelFamily, Variant
 from fa4_jax.families.fwd import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
+from fa4_jax.families.kvcache import KVCACHE, KVCacheVariant
 
-FAMILIES: tuple[KernelFamily, ...] = (FWD,)
+FAMILIES: tuple[KernelFamily, ...] = (FWD, KVCACHE)
 
 MENU_ENV = "FA4_JAX_VARIANTS"
 
 __all__ = [
-    "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KernelFamily", "MASKS", "MENU_ENV",
+    "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KVCACHE", "KVCacheVariant", "KernelFamily",
+    "MASKS", "MENU_ENV",
     "Variant", "default_menu", "family_of", "mask_kind", "menu_from_env", "variant_from_symbol",
 ]
 

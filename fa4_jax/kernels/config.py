@@ -31,6 +31,9 @@ class Sm90FwdConfig:
     # Named-barrier ping-pong between consumer warpgroups, so that one warpgroup's softmax overlaps
     # the other's gemms. Pays off while the gemms are short relative to softmax (hd <= 128).
     warpgroup_pingpong: bool
+    # Whether O may get its own smem staging buffer (see separate_o); the KV-cache kernel stores O
+    # from registers and has none.
+    o_staging: bool = True
 
     def __post_init__(self):
         if self.tile_m % 64:
@@ -66,7 +69,7 @@ class Sm90FwdConfig:
         """O gets its own smem staging buffer when it fits (hd <= 128). The persistent kernel then
         loads the next tile's Q while this tile's last PV gemm, epilogue and O store run; otherwise
         O reuses Q's buffer and the next Q waits for the store to have read it."""
-        return self._base_smem_bytes + self.tile_m * self.head_dim * 2 <= SM90_SMEM_BYTES
+        return self.o_staging and self._base_smem_bytes + self.tile_m * self.head_dim * 2 <= SM90_SMEM_BYTES
 
     @property
     def smem_bytes(self) -> int:
@@ -84,3 +87,22 @@ class Sm90FwdConfig:
         if hd <= 192:
             return cls(hd, 128, 112, 2, 240, 24, True, False)
         return cls(hd, 128, 80, 2, 240, 24, True, False)
+
+
+def kvcache_config(head_dim: int) -> Sm90FwdConfig:
+    """KV-cache (decode) tiles: one consumer warpgroup of 64 packed query rows (decode has few rows:
+    seqlen_q x q-heads per KV head), and as many K/V stages as shared memory holds, because decode is
+    bound by HBM bandwidth: each SM needs ~64 KB of loads in flight to draw its share of 4.3 TB/s."""
+    tile_n = 128 if head_dim <= 128 else 64
+
+    def config(stages: int) -> Sm90FwdConfig:
+        return Sm90FwdConfig(head_dim, 64, tile_n, stages, 240, 24, head_dim > 128, False, o_staging=False)
+
+    stages = 2
+    while stages < 4:
+        try:
+            config(stages + 1)
+        except ValueError:  # out of shared memory
+            break
+        stages += 1
+    return config(stages)

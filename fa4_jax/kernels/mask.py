@@ -39,7 +39,8 @@ class ScoreMask:
             hi = b.seqlen.seqlen_k - col_base
             lo = 0
             if const_expr(window and b.has_right_edge):
-                diag = m_block * tile_m + self.tScS_mn[r, 0][0] + b.diag_offset() - col_base
+                query = b.query_of_row(m_block * tile_m + self.tScS_mn[r, 0][0])
+                diag = query + b.diag_offset() - col_base
                 right = diag + b.window_right + 1
                 hi = cutlass.min(hi, right) if const_expr(seqlen) else right
                 if const_expr(b.has_left_edge):

@@ -58,11 +58,12 @@ class OnlineSoftmax:
         return scale
 
     @cute.jit
-    def finalize(self, sink_log2: Float32) -> cute.Tensor:
+    def finalize(self, sink_log2) -> cute.Tensor:
         """Return the factor that normalises each row of O, and overwrite `row_sum` with the LSE
         (natural log).
 
-        `sink_log2` is the row's attention-sink logit times log2(e) (-inf: no sink): it joins the
+        `sink_log2` is the rows' attention-sink logit times log2(e) (-inf: no sink), one Float32 for
+        all rows or an rmem tensor with one per row (pack-GQA tiles mix heads): it joins the
         denominator with no value row. The running sum is relative to the row max m, so with
         M = max(m * scale_log2, sink_log2) the denominator is 2^M * (sum * 2^(m' - M) + 2^(sink - M))
         (m' = m * scale_log2) and O's factor 2^(m' - M) / (...): both exponents are <= 0, so a sink
@@ -73,10 +74,11 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = quad_allreduce_sum(self.row_sum[r])
             m_scaled = self.row_max[r] * self.scale_log2
-            big = cute.arch.fmax(m_scaled, sink_log2)
+            sink = sink_log2[r] if const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
+            big = cute.arch.fmax(m_scaled, sink)
             big_safe = 0.0 if big == -Float32.inf else big
             o_scale = cute.math.exp2(m_scaled - big_safe, fastmath=True)
-            denom = total * o_scale + cute.math.exp2(sink_log2 - big_safe, fastmath=True)
+            denom = total * o_scale + cute.math.exp2(sink - big_safe, fastmath=True)
             empty = denom == 0.0 or denom != denom
             inv[r] = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
             lse = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)

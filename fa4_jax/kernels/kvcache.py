@@ -1,0 +1,53 @@
+"""Entry point of the KV-cache family (fa4_jax/families/kvcache.py): compile one KVCacheVariant.
+
+The fake tensors below are the family's exported C ABI (KVCACHE.tensors / KVCACHE.scalars); the
+exporter checks the generated header against it.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from fa4_jax.families.kvcache import KVCacheVariant
+from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, stride
+
+
+def make_kernel(variant: KVCacheVariant):
+    if variant.arch == "sm90":
+        from fa4_jax.kernels.config import kvcache_config
+        from fa4_jax.kernels.kvcache_sm90 import FlashAttentionKVCacheSm90
+
+        return FlashAttentionKVCacheSm90(kvcache_config(variant.head_dim), variant.mask, variant.softcap,
+                                         variant.paged)
+    raise NotImplementedError(f"no KV-cache kernel for {variant.arch=} yet")
+
+
+def _fake_i32(rank: int):
+    """int32 index tensor: (b, max_pages) row-major with unit last stride; (b,) with a dynamic stride
+    (the exported struct then has a strides array, like every tensor of the ABI)."""
+    shape = tuple(cute.SymInt() for _ in range(rank))
+    strides = (stride(), 1) if rank == 2 else (stride(),)
+    return make_fake_tensor(cutlass.Int32, shape, strides, assumed_align=4)
+
+
+def _fake_o_accum(head_dim: int):
+    """(splits, b, s_q, h_q, d) float32, d static and unit-stride."""
+    shape = tuple(cute.SymInt() for _ in range(4)) + (head_dim,)
+    return make_fake_tensor(cutlass.Float32, shape, tuple(stride(4) for _ in range(4)) + (1,), assumed_align=16)
+
+
+def compile_variant(variant: KVCacheVariant):
+    dtype = DTYPES[variant.dtype]
+    q, k, v, o = (fake_bshd(dtype, variant.head_dim) for _ in range(4))
+    page_table, seqlens = _fake_i32(2), _fake_i32(1)
+    lse, lse_accum = fake_f32(3), fake_f32(4)
+    o_accum = _fake_o_accum(variant.head_dim)
+    sinks = fake_f32(1, unit_stride=False)
+    f32, i32 = cutlass.Float32(1.0), cutlass.Int32(1)
+    return cute.compile(
+        make_kernel(variant), q, k, v, page_table, seqlens, o, lse, o_accum, lse_accum, sinks,
+        f32, f32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
+    )
