@@ -87,17 +87,3 @@ def resolve_implementation(implementation, variant) -> str:
     if implementation == "fa4":
         raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
     return "xla"
-
-
-def resolve_without_kernel(implementation, entry_point: str) -> str:
-    """Implementation choice for an entry point that has no kernel family in this build yet: the XLA
-    reference serves it everywhere; "fa4" says so instead of silently running something else."""
-    if implementation not in (None, "fa4", "xla"):
-        raise ValueError(f'implementation must be None, "fa4" or "xla"; got {implementation=}')
-    if implementation == "fa4":
-        raise RuntimeError(
-            f'implementation="fa4" cannot run here: fa4_jax has no {entry_point} kernel yet (the split-KV '
-            'decode, paged and varlen kernel families are being built); use implementation="xla" or None, '
-            "which run the exact pure-JAX reference"
-        )
-    return "xla"

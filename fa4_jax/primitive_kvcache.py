@@ -106,7 +106,9 @@ _kernel_lowering = _compat.lower_fun(_kernel_call, multiple_results=True)
 
 def _cuda_lowering(ctx, *operands, **params):
     q, k = ctx.avals_in[0], ctx.avals_in[1]
-    empty = any(isinstance(x, int) and x == 0 for x in (*q.shape, *k.shape))
+    dims = (*q.shape, *k.shape, *(ctx.avals_in[4].shape if params["paged"] else ()))
+    # Zero-size problems (no batch, query, head, cache slot or page) never reach the kernel.
+    empty = any(isinstance(x, int) and x == 0 for x in dims)
     if params["implementation"] != "fa4" or empty:
         return _reference_lowering(ctx, *operands, **params)
     return _kernel_lowering(ctx, *operands, **params)

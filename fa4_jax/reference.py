@@ -67,11 +67,13 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page
     scale, cap, (left, right) = _options(causal, softmax_scale, window_size, softcap, sinks, q.shape[2])
     sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
     b, s_q, h_q, d = q.shape
+    capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+    if any(_is_zero(x) for x in (b, s_q, capacity)):  # before the gather: a zero batch cannot reshape
+        return _empty(q, sinks)
     if page_table is not None:
         # (num_pages, page_size, h_k, d)[page_table] -> (b, max_pages * page_size, h_k, d)
-        k_cache, v_cache = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, -1, *x.shape[2:])
+        k_cache, v_cache = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:])
                             for x in (k_cache, v_cache))
-    capacity = k_cache.shape[1]
     if any(_is_zero(x) for x in (b, s_q, capacity)):
         return _empty(q, sinks)
     kv_len = jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)

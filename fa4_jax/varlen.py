@@ -3,9 +3,11 @@ conventions: (total_tokens, heads, head_dim) tensors and int32 cumulative offset
 
 from __future__ import annotations
 
-from fa4_jax._validation import check_flag, check_options, check_varlen
-from fa4_jax.attention import resolve_without_kernel
-from fa4_jax.reference import attention_varlen_reference
+from fa4_jax._validation import check_flag, check_options, check_varlen, dtype_tag
+from fa4_jax.attention import _trim_window, resolve_implementation
+from fa4_jax.families import VarlenVariant, mask_kind
+from fa4_jax.families.varlen import HEAD_DIMS as VARLEN_HEAD_DIMS
+from fa4_jax.primitive_varlen import fa4_varlen_p
 
 STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size", "softcap", "return_lse",
                    "implementation")
@@ -22,12 +24,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]). Empty
         sequences are allowed. Offsets must be non-decreasing and within the tensors (not checked:
         that needs a device sync; violations give unspecified results, never out-of-bounds writes).
-      max_seqlen_q, max_seqlen_k: optional static hints (ints) bounding the sequence lengths.
+      max_seqlen_q, max_seqlen_k: optional static hints (ints) bounding the sequence lengths. The
+        kernel's grid is sized by max_seqlen_q (default: total_q): a tighter bound launches fewer
+        empty tiles. It must hold: query rows of a sequence past max_seqlen_q are not computed.
       seqused_k: optional int32 (batch,): use only the first seqused_k[b] keys of sequence b.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`, with
         masks aligned to the bottom-right corner of each sequence.
-      implementation: None, "fa4" or "xla". This build has no varlen kernel yet: None runs the exact
-        XLA reference, "fa4" raises.
+      implementation: None, "fa4" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64, 128, 256).
 
     Query rows past cu_seqlens_q[-1] belong to no sequence: o = 0 there.
     Returns o like q, or (o, lse) with lse float32 (heads_q, total_q).
@@ -37,9 +40,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
-    resolve_without_kernel(implementation, "varlen attention")
-    o, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, softmax_scale=scale,
-                                        window_size=window, softcap=cap, sinks=sinks)
+    left, right = _trim_window(*window, q.shape[0], k.shape[0])
+    head_dim = q.shape[-1]
+    if head_dim not in VARLEN_HEAD_DIMS and implementation != "xla":
+        if implementation == "fa4":
+            raise RuntimeError(f'implementation="fa4" cannot run here: the varlen kernels support head_dim '
+                               f'{VARLEN_HEAD_DIMS}, got {head_dim}; use implementation="xla" or None')
+        implementation = "xla"
+    variant = lambda arch: VarlenVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0)  # noqa: E731
+    implementation = resolve_implementation(implementation, variant)
+    operands = tuple(x for x in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks) if x is not None)
+    o, lse = fa4_varlen_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
+                               has_seqused=seqused_k is not None, has_sinks=sinks is not None,
+                               max_seqlen_q=int(max_seqlen_q or 0), implementation=implementation)
     return (o, lse) if return_lse else o
 
 

@@ -157,12 +157,13 @@ def test_gqa_mqa_and_dtypes(dtype, h_q, h_k):
 
 @pytest.fixture
 def no_run(monkeypatch):
-    """Any call of the reference fails the test: validation must come first."""
+    """Any bind of the primitive (kernel or reference) fails the test: validation must come first."""
 
-    def run(*args, **kwargs):
-        raise AssertionError("attention_varlen ran before its arguments were validated")
+    class Refuse:
+        def bind(self, *args, **kwargs):
+            raise AssertionError("attention_varlen ran before its arguments were validated")
 
-    monkeypatch.setattr(varlen, "attention_varlen_reference", run)
+    monkeypatch.setattr(varlen, "fa4_varlen_p", Refuse())
 
 
 def _args(*, d=D, rank4=False, cu_q=None, cu_k=None):
@@ -207,7 +208,7 @@ BAD_ARGS = {
     "head_dim_80": (dict(d=80), {}, ValueError,
                     r"head_dim must be one of \(64, 96, 128, 192, 256\); got head_dim=80 \(q\.shape=\(5, 4, 80\)\)"),
     "fa4": ({}, dict(implementation="fa4"), RuntimeError,
-            r'implementation="fa4" cannot run here: fa4_jax has no varlen attention kernel yet'),
+            r'implementation="fa4" cannot run here: (the default device is \'cpu\'|the varlen kernels)'),
     "cudnn": ({}, dict(implementation="cudnn"), ValueError,
               r'implementation must be None, "fa4" or "xla"; got implementation=\'cudnn\''),
     "bad_sinks": ({}, dict(sinks=np.zeros(2, np.float32)), ValueError,

@@ -15,21 +15,22 @@ from dataclasses import fields
 from fa4_jax.families.base import ARCH_CC, DTYPES, KernelFamily, Variant
 from fa4_jax.families.fwd import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
 from fa4_jax.families.kvcache import KVCACHE, KVCacheVariant
+from fa4_jax.families.varlen import VARLEN, VarlenVariant
 
-FAMILIES: tuple[KernelFamily, ...] = (FWD, KVCACHE)
+FAMILIES: tuple[KernelFamily, ...] = (FWD, KVCACHE, VARLEN)
 
 MENU_ENV = "FA4_JAX_VARIANTS"
 
 __all__ = [
     "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KVCACHE", "KVCacheVariant", "KernelFamily",
-    "MASKS", "MENU_ENV",
+    "MASKS", "MENU_ENV", "VARLEN", "VarlenVariant",
     "Variant", "default_menu", "family_of", "mask_kind", "menu_from_env", "variant_from_symbol",
 ]
 
 
 def family_of(variant) -> KernelFamily:
     for fam in FAMILIES:
-        if isinstance(variant, fam.variant):
+        if type(variant) is fam.variant:  # exact: VarlenVariant extends FwdVariant's fields
             return fam
     raise TypeError(f"{variant!r} is not a variant of any kernel family")
 

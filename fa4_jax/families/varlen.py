@@ -1,0 +1,101 @@
+"""The varlen family: attention over packed variable-length sequences (total_tokens, heads, d).
+
+Its kernels (fa4_jax/kernels/varlen_sm90.py) are the dense kernel at per-sequence offsets read
+from cu_seqlens; handler ffi/varlen.cc. Compile-time: mask kind and softcap, as for the dense family;
+offsets, lengths, window bounds, softcap value, sinks and the grid bound max_seqlen_q are runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fa4_jax.families.base import (
+    Field,
+    KernelFamily,
+    KeyField,
+    TensorArg,
+    arch_literal,
+    bool_literal,
+    dtype_literal,
+    enum_literal,
+    int_literal,
+    params_as_scalars,
+)
+from fa4_jax.families.base import DTYPES
+from fa4_jax.families.fwd import MASKS, FwdVariant
+
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True, order=True)
+class VarlenVariant(FwdVariant):
+    """One varlen kernel: the dense variant's fields (arch x dtype x head_dim x mask x softcap)."""
+
+    FAMILY_PREFIX = "fa4_varlen"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"unsupported head_dim for varlen: {self.head_dim=}; expected one of {HEAD_DIMS}")
+
+
+def default_menu() -> tuple[VarlenVariant, ...]:
+    return tuple(
+        VarlenVariant("sm90", dtype, hd, mask, softcap)
+        for dtype in DTYPES
+        for hd in HEAD_DIMS
+        for mask in MASKS
+        for softcap in (False, True)
+    )
+
+
+def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
+    return TensorArg(name, f"p.{ptr}", (f"p.{total}", f"p.{heads}"), (f"p.{stride}[0]", f"p.{stride}[1]"))
+
+
+_PARAMS = (
+    Field("void *", "q"), Field("void *", "k"), Field("void *", "v"), Field("void *", "o"),
+    Field("float *", "lse", "(h_q, total_q)"),
+    Field("int32_t *", "cu_seqlens_q", "(b + 1,)"), Field("int32_t *", "cu_seqlens_k", "(b + 1,)"),
+    Field("int32_t *", "seqused_k", "(b,) keys used per sequence"),
+    Field("float *", "sinks", "(h_q,) -inf = none"),
+    Field("int32_t", "b"), Field("int32_t", "total_q"), Field("int32_t", "total_k"),
+    Field("int32_t", "h_q"), Field("int32_t", "h_k"),
+    Field("int64_t", "q_stride[2]", "{token, head} in elements; head_dim stride is 1"),
+    Field("int64_t", "kv_stride[2]"),
+    Field("float", "softmax_scale_log2"), Field("float", "softcap_prescale"),
+    Field("int32_t", "window_left"), Field("int32_t", "window_right"),
+    Field("int32_t", "max_seqlen_q", "bounds every sequence's length: the grid's m-blocks"),
+    Field("int32_t", "max_ctas", "persistent grid size (SM count) or INT32_MAX for one CTA per tile"),
+)
+
+VARLEN = KernelFamily(
+    name="varlen",
+    target="fa4_jax_varlen_v1",
+    variant=VarlenVariant,
+    params=_PARAMS,
+    tensors=(
+        _thd("mQ", "q", "total_q", "h_q", "q_stride"),
+        _thd("mK", "k", "total_k", "h_k", "kv_stride"),
+        _thd("mV", "v", "total_k", "h_k", "kv_stride"),
+        _thd("mO", "o", "total_q", "h_q", "q_stride"),
+        TensorArg("mLSE", "p.lse", ("p.h_q", "p.total_q"), ("p.total_q",)),
+        TensorArg("mCuSeqlensQ", "p.cu_seqlens_q", ("p.b + 1",), ("1",)),
+        TensorArg("mCuSeqlensK", "p.cu_seqlens_k", ("p.b + 1",), ("1",)),
+        TensorArg("mSequsedK", "p.seqused_k", ("p.b",), ("1",)),
+        TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
+    ),
+    scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
+                              "max_seqlen_q", "max_ctas"),
+    key=(
+        KeyField("arch", "int", arch_literal),
+        KeyField("dtype", "::fa4_jax::DType", dtype_literal),
+        KeyField("head_dim", "int", int_literal),
+        KeyField("mask", "Mask", enum_literal("Mask")),
+        KeyField("softcap", "bool", bool_literal),
+    ),
+    enums={"Mask": MASKS},
+    handler="ffi/varlen.cc",
+    compile="fa4_jax.kernels.varlen:compile_variant",
+    default_menu=default_menu,
+)

@@ -1,0 +1,137 @@
+"""The `fa4_varlen` primitive: attention over packed variable-length sequences, results (o, lse).
+
+Operands: q (total_q, h_q, d), k, v (total_k, h_k, d), cu_seqlens_q, cu_seqlens_k, then seqused_k
+when `has_seqused`, then sinks when `has_sinks`. Params: softmax_scale, window_left / window_right
+(causal folded in), softcap, has_seqused, has_sinks, max_seqlen_q (0 = unknown: total_q bounds it),
+implementation. Lowering: on CUDA with implementation="fa4" a typed-FFI custom call (ffi/varlen.cc);
+elsewhere the pure-JAX reference. vmap: one launch (see _batch_rule). Inference only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fa4_jax import _compat
+from fa4_jax.families.varlen import VARLEN
+from fa4_jax.primitive import _NO_GRAD, _moved
+from fa4_jax.reference import attention_varlen_reference
+
+fa4_varlen_p = _compat.Primitive("fa4_varlen")
+fa4_varlen_p.multiple_results = True
+
+
+def _split(operands, has_seqused: bool, has_sinks: bool):
+    q, k, v, cu_q, cu_k, *rest = operands
+    return q, k, v, cu_q, cu_k, (rest[0] if has_seqused else None), (rest[-1] if has_sinks else None)
+
+
+def _join(*xs):
+    return tuple(x for x in xs if x is not None)
+
+
+def _abstract_eval(q, *operands, **params):
+    total_q, h_q, _ = q.shape
+    return (_compat.ShapedArray(q.shape, q.dtype), _compat.ShapedArray((h_q, total_q), jnp.float32))
+
+
+fa4_varlen_p.def_abstract_eval(_abstract_eval)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(**params):
+    return jax.jit(functools.partial(fa4_varlen_p.bind, **params))
+
+
+fa4_varlen_p.def_impl(lambda *operands, **params: _jitted(**params)(*operands))
+
+
+def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
+               implementation):
+    del max_seqlen_q, implementation
+    q, k, v, cu_q, cu_k, used, sinks = _split(operands, has_seqused, has_sinks)
+    return attention_varlen_reference(q, k, v, cu_q, cu_k, seqused_k=used, softmax_scale=softmax_scale,
+                                      window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+
+
+_reference_lowering = _compat.lower_fun(_reference, multiple_results=True)
+
+
+def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
+                 implementation):
+    del implementation
+    q, k, v, cu_q, cu_k, used, sinks = _split(operands, has_seqused, has_sinks)
+    total_q, h_q, _ = q.shape
+    used = cu_k[1:] - cu_k[:-1] if used is None else used
+    sinks = jnp.full((h_q,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        VARLEN.target,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((h_q, total_q), jnp.float32)),
+    )
+    return call(q, k, v, cu_q, cu_k, used, sinks, softmax_scale=np.float32(softmax_scale),
+                softcap=np.float32(softcap), window_left=np.int32(window_left), window_right=np.int32(window_right),
+                max_seqlen_q=np.int32(min(max_seqlen_q, total_q) if max_seqlen_q else total_q))
+
+
+_kernel_lowering = _compat.lower_fun(_kernel_call, multiple_results=True)
+
+
+def _cuda_lowering(ctx, *operands, **params):
+    q, k, cu_q = ctx.avals_in[0], ctx.avals_in[1], ctx.avals_in[3]
+    empty = any(isinstance(x, int) and x == 0 for x in (*q.shape, *k.shape, cu_q.shape[0] - 1))
+    if params["implementation"] != "fa4" or empty:
+        return _reference_lowering(ctx, *operands, **params)
+    return _kernel_lowering(ctx, *operands, **params)
+
+
+_compat.register_lowering(fa4_varlen_p, _reference_lowering)
+_compat.register_lowering(fa4_varlen_p, _cuda_lowering, platform="cuda")
+
+
+def _batch_rule(args, dims, *, has_seqused, has_sinks, max_seqlen_q, **params):
+    """One kernel launch: slice i's packed tokens follow slice i-1's, its offsets shift by i * total,
+    and the rows between its last sequence's end and the next slice become a sequence with no keys
+    (o = 0 there, as for rows past cu_seqlens_q[-1] of one call). Per-slice sinks: a sequential map."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    kw = dict(has_seqused=has_seqused, has_sinks=has_sinks, **params)
+    q, k, v, cu_q, cu_k, used, sinks = (None if x is None else _moved(x, d, size)
+                                        for x, d in zip(_split(args, has_seqused, has_sinks),
+                                                        _split(dims, has_seqused, has_sinks)))
+    if sinks is not None and _split(dims, has_seqused, has_sinks)[-1] is not None:
+        o, lse = jax.lax.map(lambda xs: tuple(fa4_varlen_p.bind(*_join(*xs), max_seqlen_q=max_seqlen_q, **kw)),
+                             (q, k, v, cu_q, cu_k, used, sinks))
+        return (o, lse), (0, 0)
+    if sinks is not None:
+        sinks = sinks[0]
+    n, total_q = q.shape[:2]
+    total_k = k.shape[1]
+    i = jnp.arange(n, dtype=jnp.int32)[:, None]
+    used = cu_k[:, 1:] - cu_k[:, :-1] if used is None else used
+    # Per slice: its b sequences, then the gap sequence [cu_q[b], total_q) with no keys.
+    cu_qf = jnp.concatenate([cu_q + i * total_q], axis=1).reshape(-1)
+    cu_qf = jnp.concatenate([cu_qf, jnp.array([n * total_q], jnp.int32)])
+    cu_kf = jnp.concatenate([(cu_k + i * total_k).reshape(-1), jnp.array([n * total_k], jnp.int32)])
+    used_f = jnp.concatenate([used, jnp.zeros((n, 1), jnp.int32)], axis=1).reshape(-1)
+    o, lse = fa4_varlen_p.bind(
+        *_join(q.reshape(n * total_q, *q.shape[2:]), k.reshape(n * total_k, *k.shape[2:]),
+               v.reshape(n * total_k, *v.shape[2:]), cu_qf, cu_kf, used_f, sinks),
+        max_seqlen_q=0, **dict(kw, has_seqused=True))
+    return (o.reshape(n, total_q, *o.shape[1:]), jnp.moveaxis(lse.reshape(lse.shape[0], n, total_q), 1, 0)), (0, 0)
+
+
+_compat.register_batching(fa4_varlen_p, _batch_rule)
+
+
+def _no_jvp(primals, tangents, **params):
+    raise NotImplementedError(_NO_GRAD)
+
+
+def _no_transpose(cotangents, *args, **params):
+    raise NotImplementedError(_NO_GRAD)
+
+
+_compat.register_jvp(fa4_varlen_p, _no_jvp)
+_compat.register_transpose(fa4_varlen_p, _no_transpose)
