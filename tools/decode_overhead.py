@@ -42,5 +42,28 @@ def main():
               f"cudnn {t_cl*1e6:7.1f} (cudnn/fa4 {t_cl/t_fl:4.2f}) | trivial jit {t_t*1e6:5.1f}", flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--splits" not in sys.argv:
     main()
+
+
+def sweep_splits():
+    """Time forced num_splits against the automatic choice on the bandwidth-bound rows."""
+    tp = dict(batches=5, target_batch_s=0.1)
+    for b, s, choices in [(1, 131072, (None, 16, 24, 33, 48, 66)), (8, 32768, (None, 1, 2, 3, 4, 8)),
+                          (32, 8192, (None, 1, 2, 3, 4))]:
+        ks = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(ks[0], (b, 1, H_Q, D), jnp.float32).astype(jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, s, H_KV, D), jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, s, H_KV, D), jnp.float32).astype(jnp.bfloat16)
+        n = jnp.full((b,), s, jnp.int32)
+        row = []
+        for ns in choices:
+            f = jax.jit(lambda q, k, v, n, ns=ns: fa4_jax.attention_with_kvcache(q, k, v, n, num_splits=ns,
+                                                                                 implementation="fa4"))
+            t = time_per_call(f, [(q, k, v, n)], **tp)
+            row.append(f"{ns}: {t * 1e6:6.1f}")
+        print(f"{b:>3} x {s:>6}: " + "  ".join(row), flush=True)
+
+
+if __name__ == "__main__" and "--splits" in sys.argv:
+    sweep_splits()
