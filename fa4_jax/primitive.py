@@ -84,17 +84,17 @@ def _abstract_eval(q, k, v, *sinks, **params):
 fa4_fwd_p.def_abstract_eval(_abstract_eval)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(**params):
-    return jax.jit(functools.partial(fa4_fwd_p.bind, **params))
+def define_jitted_impl(prim) -> None:
+    """Eager calls of `prim` compile the same way jitted ones do: one cached executable per param set."""
+
+    @functools.lru_cache(maxsize=None)
+    def jitted(**params):
+        return jax.jit(functools.partial(prim.bind, **params))
+
+    prim.def_impl(lambda *operands, **params: jitted(**params)(*operands))
 
 
-def _impl(*operands, **params):
-    # Eager calls compile the same way jitted ones do; one cached executable per param set.
-    return _jitted(**params)(*operands)
-
-
-fa4_fwd_p.def_impl(_impl)
+define_jitted_impl(fa4_fwd_p)
 
 
 def _reference(q, k, v, *sinks, softmax_scale, window_left, window_right, softcap, has_sinks, implementation):
@@ -206,5 +206,10 @@ def _no_transpose(cotangents, *args, **params):
     raise NotImplementedError(_NO_GRAD)
 
 
-_compat.register_jvp(fa4_fwd_p, _no_jvp)
-_compat.register_transpose(fa4_fwd_p, _no_transpose)
+def register_inference_only(prim) -> None:
+    """JVP and transpose of `prim` raise: fa4_jax is forward-only."""
+    _compat.register_jvp(prim, _no_jvp)
+    _compat.register_transpose(prim, _no_transpose)
+
+
+register_inference_only(fa4_fwd_p)

@@ -10,15 +10,13 @@ pure-JAX reference. vmap: one kernel launch (see _batch_rule). Inference only.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import _compat
 from fa4_jax.families.kvcache import KVCACHE, auto_split_capacity
-from fa4_jax.primitive import _NO_GRAD, _moved
+from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_with_kvcache_reference
 
 fa4_kvcache_p = _compat.Primitive("fa4_kvcache")
@@ -47,12 +45,7 @@ def _abstract_eval(*operands, paged, has_sinks, **params):
 fa4_kvcache_p.def_abstract_eval(_abstract_eval)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(**params):
-    return jax.jit(functools.partial(fa4_kvcache_p.bind, **params))
-
-
-fa4_kvcache_p.def_impl(lambda *operands, **params: _jitted(**params)(*operands))
+define_jitted_impl(fa4_kvcache_p)
 
 
 def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, num_splits,
@@ -179,13 +172,4 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
 _compat.register_batching(fa4_kvcache_p, _batch_rule)
 
 
-def _no_jvp(primals, tangents, **params):
-    raise NotImplementedError(_NO_GRAD)
-
-
-def _no_transpose(cotangents, *args, **params):
-    raise NotImplementedError(_NO_GRAD)
-
-
-_compat.register_jvp(fa4_kvcache_p, _no_jvp)
-_compat.register_transpose(fa4_kvcache_p, _no_transpose)
+register_inference_only(fa4_kvcache_p)

@@ -9,15 +9,13 @@ elsewhere the pure-JAX reference. vmap: one launch (see _batch_rule). Inference 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import _compat
 from fa4_jax.families.varlen import VARLEN
-from fa4_jax.primitive import _NO_GRAD, _moved
+from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_varlen_reference
 
 fa4_varlen_p = _compat.Primitive("fa4_varlen")
@@ -41,12 +39,7 @@ def _abstract_eval(q, *operands, **params):
 fa4_varlen_p.def_abstract_eval(_abstract_eval)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(**params):
-    return jax.jit(functools.partial(fa4_varlen_p.bind, **params))
-
-
-fa4_varlen_p.def_impl(lambda *operands, **params: _jitted(**params)(*operands))
+define_jitted_impl(fa4_varlen_p)
 
 
 def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
@@ -125,13 +118,4 @@ def _batch_rule(args, dims, *, has_seqused, has_sinks, max_seqlen_q, **params):
 _compat.register_batching(fa4_varlen_p, _batch_rule)
 
 
-def _no_jvp(primals, tangents, **params):
-    raise NotImplementedError(_NO_GRAD)
-
-
-def _no_transpose(cotangents, *args, **params):
-    raise NotImplementedError(_NO_GRAD)
-
-
-_compat.register_jvp(fa4_varlen_p, _no_jvp)
-_compat.register_transpose(fa4_varlen_p, _no_transpose)
+register_inference_only(fa4_varlen_p)

@@ -3,7 +3,8 @@
 dispatch) vs the same call repeated inside one jitted fori_loop (device time per call), for fa4_jax
 and cuDNN, and a trivial jitted op (the dispatch floor)."""
 
-import sys, os, time, statistics
+import os
+import sys
 import jax, jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from benchmark import time_per_call

@@ -2,7 +2,7 @@
 the Python registration all read.
 
 A *family* is a set of kernels that share one exported C ABI, one C++ params struct, one FFI target
-and one handler (e.g. dense forward; later decode/split-KV, combine, paged, varlen; SM100 kernels of
+and one handler (dense forward, KV-cache decode, varlen; SM100 kernels of
 an existing family are new variants of it, not a new family). A *variant* is one compiled kernel:
 a frozen dataclass whose fields are the compile key and the dispatch key, and whose `symbol` names the
 object file, the C wrapper, the table row and error messages.

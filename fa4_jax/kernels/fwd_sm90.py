@@ -83,23 +83,8 @@ class FlashAttentionForwardSm90:
         mQ, mK, mV, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
 
-        nwg = cfg.num_consumer_wg
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (nwg, 1, 1), (64, cfg.tile_n),
-        )
-        # V tiles are (keys, head_dim) in smem; as the B operand of P @ V they are read transposed,
-        # i.e. MN-major, which wgmma supports for 16-bit types without a transpose pass.
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            (nwg, 1, 1), (64, cfg.head_dim), a_source=warpgroup.OperandSource.RMEM,
-        )
-
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cfg.head_dim), dtype
-        )
-        sQ_layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.head_dim), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages), order=(0, 1, 2))
+        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(dtype, cfg.num_consumer_wg)
+        sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
@@ -145,6 +130,101 @@ class FlashAttentionForwardSm90:
         )
 
     # ------------------------------------------------------------------------------------------
+    # Pieces every SM90 attention kernel here builds the same way (dense, KV-cache, varlen; the
+    # latter two subclass this one). Called while tracing: plain Python that emits the same code
+    # wherever it is used.
+    # ------------------------------------------------------------------------------------------
+    def make_tiled_mmas(self, dtype, num_wg: int):
+        cfg = self.cfg
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (num_wg, 1, 1), (64, cfg.tile_n),
+        )
+        # V tiles are (keys, head_dim) in smem; as the B operand of P @ V they are read transposed,
+        # i.e. MN-major, which wgmma supports for 16-bit types without a transpose pass.
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (num_wg, 1, 1), (64, cfg.head_dim), a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def make_smem_layouts(self, dtype):
+        """(sQ_layout (tile_m, d), sKV_layout (tile_n, d, stages)), 128-byte swizzled rows."""
+        cfg = self.cfg
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cfg.head_dim), dtype
+        )
+        sQ_layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.head_dim), order=(0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages), order=(0, 1, 2))
+        return sQ_layout, sKV_layout
+
+    def make_pipelines(self, storage, with_q: bool = True):
+        """TMA pipelines for Q (one stage; None without with_q), K and V (cfg.stages each), from the
+        storage's mbar_q / mbar_k / mbar_v; ends with the barrier-init fence and a CTA sync."""
+        cfg = self.cfg
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # TMA pipelines release with one elected thread per consumer warp.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * cfg.num_consumer_wg)
+        pipe_q = None
+        if const_expr(with_q):
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+            )
+        pipe_k, pipe_v = (
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=cfg.stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            for mbar in (storage.mbar_k, storage.mbar_v)
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return pipe_q, pipe_k, pipe_v
+
+    def consumer_fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg):
+        """A consumer warpgroup's gemm operands and accumulators: (tSrQ, tSrK, tOrVt, tOrP, acc_O,
+        the QK^T accumulator shape)."""
+        cfg = self.cfg
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
+        return (
+            wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
+            wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
+            wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_2d(sV))),
+            wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.tile_m, cfg.tile_n))),
+            cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32),
+            wg_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)),
+        )
+
+    @cute.jit
+    def load_blocks(self, copy_k, copy_v, copy_q, pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max):
+        """The producer's order for one tile: K of the first (highest) block, then Q (copy_q, unless
+        None: the KV-cache kernel gathers Q itself), then K_{j-1} and V_j in turn, V of the lowest
+        block last -- the order the consumers use them. K comes before Q because its stage frees
+        during the previous tile's last blocks, while Q's buffer frees only after that tile's last
+        QK gemm. copy_k / copy_v(n_block, stage, barrier), copy_q(barrier) issue the copies.
+        Returns the advanced (state, q_state)."""
+        pipe_k.producer_acquire(state)
+        copy_k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state))
+        if const_expr(copy_q is not None):
+            pipe_q.producer_acquire(q_state)
+            copy_q(pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+        for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
+            n_prev = n_block_max - 1 - i
+            prev = state.clone()
+            state.advance()
+            pipe_k.producer_acquire(state)
+            copy_k(n_prev - 1, state.index, pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(prev)
+            copy_v(n_prev, prev.index, pipe_v.producer_get_barrier(prev))
+        pipe_v.producer_acquire(state)
+        copy_v(n_block_min, state.index, pipe_v.producer_get_barrier(state))
+        state.advance()
+        return state, q_state
+
+    # ------------------------------------------------------------------------------------------
     # Device side.
     # ------------------------------------------------------------------------------------------
     @cute.kernel
@@ -176,23 +256,7 @@ class FlashAttentionForwardSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # TMA pipelines release with one elected thread per consumer warp.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * cfg.num_consumer_wg)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_q, pipe_k, pipe_v = self.make_pipelines(storage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -241,28 +305,11 @@ class FlashAttentionForwardSm90:
                 tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
                 tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-                # K first: its stage frees during the previous tile's last blocks, while Q's buffer
-                # frees only after that tile's last QK gemm.
-                pipe_k.producer_acquire(state)
-                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                    n_prev = n_block_max - 1 - i
-                    prev = state.clone()
-                    state.advance()
-                    pipe_k.producer_acquire(state)
-                    cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                    pipe_v.producer_acquire(prev)
-                    cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(prev))
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                state.advance()
+                state, q_state = self.load_blocks(
+                    lambda n, stage, bar: cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, stage], tma_bar_ptr=bar),
+                    lambda n, stage, bar: cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, stage], tma_bar_ptr=bar),
+                    lambda bar: cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=bar),
+                    pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
@@ -273,14 +320,7 @@ class FlashAttentionForwardSm90:
         dtype = sQ.element_type
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_2d(sV)))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
-        s_shape = wg_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg)
 
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))

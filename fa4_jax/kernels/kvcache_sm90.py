@@ -34,10 +34,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
@@ -46,7 +44,7 @@ from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
-from fa4_jax.kernels.utils import acc_as_mn, permute_modes, transpose_2d
+from fa4_jax.kernels.utils import acc_as_mn, permute_modes
 
 _LOG2E = 1.4426950408889634
 # Rows of one paged TMA piece: the smallest supported page size (fa4_jax._validation.PAGE_SIZES).
@@ -94,19 +92,8 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
         # K/V: (rows, d, h_k, batch-or-page) for TMA, head_dim contiguous.
         mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (1, 1, 1), (64, cfg.tile_n),
-        )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            (1, 1, 1), (64, cfg.head_dim), a_source=warpgroup.OperandSource.RMEM,
-        )
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cfg.head_dim), dtype
-        )
-        sQ_layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.head_dim), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages), order=(0, 1, 2))
+        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(dtype, 1)
+        sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
         # A paged block is tile_n / PAGE_ROWS TMA pieces, each into its rows of the stage's tile.
         box_rows = PAGE_ROWS if const_expr(self.paged) else cfg.tile_n
@@ -184,18 +171,7 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        _, pipe_k, pipe_v = self.make_pipelines(storage, with_q=False)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -237,19 +213,8 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
             if n_block_max > n_block_min:
                 load = _KVLoader.create(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V,
                                         work.head, work.batch, kv_len)
-                pipe_k.producer_acquire(state)
-                load.k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state))
-                for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                    n_prev = n_block_max - 1 - i
-                    prev = state.clone()
-                    state.advance()
-                    pipe_k.producer_acquire(state)
-                    load.k(n_prev - 1, state.index, pipe_k.producer_get_barrier(state))
-                    pipe_v.producer_acquire(prev)
-                    load.v(n_prev, prev.index, pipe_v.producer_get_barrier(prev))
-                pipe_v.producer_acquire(state)
-                load.v(n_block_min, state.index, pipe_v.producer_get_barrier(state))
-                state.advance()
+                state, _ = self.load_blocks(load.k, load.v, None, None, None, pipe_k, pipe_v, state,
+                                            n_block_min, n_block_max)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
@@ -259,14 +224,7 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
         cfg = self.cfg
         dtype = sQ.element_type
         tidx = cute.arch.thread_idx()[0] - 128
-        wg_mma_qk = tiled_mma_qk.get_slice(0)
-        wg_mma_pv = tiled_mma_pv.get_slice(0)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_2d(sV)))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
-        s_shape = wg_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, 0)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         # (row, col) of each O accumulator this thread holds.

@@ -25,10 +25,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
@@ -37,7 +35,7 @@ from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
-from fa4_jax.kernels.utils import acc_as_mn, permute_modes, transpose_2d
+from fa4_jax.kernels.utils import acc_as_mn, permute_modes
 
 _LOG2E = 1.4426950408889634
 
@@ -70,20 +68,8 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
         # (t, h, d) -> (t, d, h): tiles are (rows, head_dim) with head_dim contiguous.
         mQ, mK, mV, mO = [permute_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
 
-        nwg = cfg.num_consumer_wg
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (nwg, 1, 1), (64, cfg.tile_n),
-        )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            (nwg, 1, 1), (64, cfg.head_dim), a_source=warpgroup.OperandSource.RMEM,
-        )
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cfg.head_dim), dtype
-        )
-        sQ_layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.head_dim), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages), order=(0, 1, 2))
+        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(dtype, cfg.num_consumer_wg)
+        sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
@@ -150,22 +136,7 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * cfg.num_consumer_wg)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_q, pipe_k, pipe_v = self.make_pipelines(storage)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -223,26 +194,11 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
                                                        cute.group_modes(gK, 0, 2))
                     tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
                                                        cute.group_modes(gV, 0, 2))
-                    pipe_k.producer_acquire(state)
-                    cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                    pipe_q.producer_acquire(q_state)
-                    cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                    q_state.advance()
-                    for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
-                        n_prev = n_block_max - 1 - i
-                        prev = state.clone()
-                        state.advance()
-                        pipe_k.producer_acquire(state)
-                        cute.copy(tma_atom_K, tKgK[None, n_prev - 1], tKsK[None, state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                        pipe_v.producer_acquire(prev)
-                        cute.copy(tma_atom_V, tVgV[None, n_prev], tVsV[None, prev.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(prev))
-                    pipe_v.producer_acquire(state)
-                    cute.copy(tma_atom_V, tVgV[None, n_block_min], tVsV[None, state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                    state.advance()
+                    state, q_state = self.load_blocks(
+                        lambda n, stage, bar: cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, stage], tma_bar_ptr=bar),
+                        lambda n, stage, bar: cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, stage], tma_bar_ptr=bar),
+                        lambda bar: cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=bar),
+                        pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
@@ -252,14 +208,7 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
         dtype = sQ.element_type
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
-        wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_2d(sV)))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
-        s_shape = wg_mma_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg)
         tScS = tiled_mma_qk.get_slice(tidx).partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         tOcO = acc_as_mn(tiled_mma_pv.get_slice(tidx).partition_C(
             cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))

@@ -1,0 +1,128 @@
+// What every family's FFI handler does the same way: argument checks with the target's name in the
+// message, the dtype and scale/softcap rules, device queries, and the two stages' common tail
+// (initialize loads the variant on the device; execute checks alignment, makes sure the variant is
+// loaded and launches it). Included by ffi/<family>.cc after runtime.h and its generated table.
+#pragma once
+
+#include "runtime.h"
+
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+#include <string>
+
+namespace fa4_jax {
+
+inline ffi::Error InvalidArgument(const char *target, const std::string &msg) {
+  return ffi::Error::InvalidArgument(std::string(target) + ": " + msg);
+}
+
+inline bool FitsInt32(int64_t x) { return x >= 0 && x <= std::numeric_limits<int32_t>::max(); }
+
+// The kernels take scales as float32 and exponentiate with exp2: each must be a positive normal
+// float32 (a denormal is flushed to zero on the GPU; inf would turn every row into NaN).
+inline bool UsableF32(double x) {
+  const float f = static_cast<float>(x);
+  return std::isfinite(f) && f >= std::numeric_limits<float>::min();
+}
+
+// The mask kind for window bounds (-1 = unbounded); fa4_jax.families.fwd.mask_kind says the same in
+// Python. `MaskEnum` is a family's generated Mask (kFull, kCausal, kLocal).
+template <typename MaskEnum>
+MaskEnum MaskKindOf(int32_t left, int32_t right) {
+  if (left < 0 && right < 0) return MaskEnum::kFull;
+  if (left < 0 && right == 0) return MaskEnum::kCausal;
+  return MaskEnum::kLocal;
+}
+
+// q's dtype (bf16 or f16), which every other buffer in `same` must share.
+inline ffi::Error ResolveDType(const char *target, ffi::DataType q, std::initializer_list<ffi::DataType> same,
+                               const char *names, DType &out) {
+  if (q == ffi::DataType::BF16) {
+    out = DType::kBF16;
+  } else if (q == ffi::DataType::F16) {
+    out = DType::kFP16;
+  } else {
+    return InvalidArgument(target, "q must be bfloat16 or float16");
+  }
+  for (ffi::DataType t : same)
+    if (t != q) return InvalidArgument(target, std::string(names) + " must share one dtype (bfloat16 or float16)");
+  return ffi::Error::Success();
+}
+
+// The kernels' softmax arguments: with a cap they compute tanh(s * scale / cap) and exponentiate
+// with cap * log2(e), else they exponentiate s with scale * log2(e).
+struct SoftmaxArgs {
+  float scale_log2;
+  float softcap_prescale;
+};
+
+inline ffi::Error ResolveSoftmax(const char *target, double scale, double cap, SoftmaxArgs &out) {
+  constexpr double kLog2e = 1.4426950408889634;
+  if (!(UsableF32(scale) && UsableF32(scale * kLog2e)))
+    return InvalidArgument(target, "softmax_scale must be a positive normal float32 with softmax_scale * log2(e) "
+                                   "finite; got " + std::to_string(scale));
+  if (!(std::isfinite(cap) && cap >= 0) || (cap > 0 && !(UsableF32(cap * kLog2e) && UsableF32(scale / cap))))
+    return InvalidArgument(target, "softcap must be 0 or a positive float32 with softcap * log2(e) and "
+                                   "softmax_scale / softcap normal float32 numbers; got " + std::to_string(cap));
+  out.scale_log2 = static_cast<float>((cap > 0 ? cap : scale) * kLog2e);
+  out.softcap_prescale = cap > 0 ? static_cast<float>(scale / cap) : 1.0f;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckWindow(const char *target, int32_t left, int32_t right) {
+  if (left < -1 || right < -1)
+    return InvalidArgument(target, "window bounds must be >= -1 (-1 = unbounded); got (" + std::to_string(left) +
+                                       ", " + std::to_string(right) + ")");
+  return ffi::Error::Success();
+}
+
+// The current device, its compute capability and SM count.
+struct DeviceInfo {
+  int device = -1;
+  int cc = -1;
+  int num_sms = -1;
+};
+
+inline ffi::Error QueryDevice(const char *target, DeviceInfo &d) {
+  d.device = CurrentDevice();
+  if (d.device < 0)
+    return ffi::Error::Internal(std::string(target) + ": cudaGetDevice failed: " +
+                                CudaErrorText(static_cast<cudaError_t>(-d.device)));
+  for (int *x : {&d.cc, &d.num_sms}) {
+    *x = x == &d.cc ? ComputeCapability(d.device) : MultiprocessorCount(d.device);
+    if (*x < 0)
+      return ffi::Error::Internal(std::string(target) + ": querying device " + std::to_string(d.device) +
+                                  " failed: " + CudaErrorText(static_cast<cudaError_t>(-*x)));
+  }
+  return ffi::Error::Success();
+}
+
+// The error for a key the library has no variant for.
+inline ffi::Error NoVariant(const char *target, const std::string &key, int device, const std::string &built) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(target) + ": no kernel for " + key + " on device " +
+                                                        std::to_string(device) + "; this library was built with: " +
+                                                        built);
+}
+
+// The common tail of both stages. Initialize (run by XLA before any CUDA-graph capture) loads the
+// variant on the device. Execute checks the 16-byte alignment the kernels were compiled to assume
+// (assumed_align of their fake tensors; XLA's buffers are far more aligned, this guards other
+// callers), loads if needed (refused under capture) and launches.
+template <ffi::ExecutionStage kStage, typename Variant, typename Launch>
+ffi::Error FinishStage(const char *target, const Variant &variant, int device, cudaStream_t stream,
+                       std::initializer_list<const void *> aligned16, const char *aligned_names, Launch &&launch) {
+  if constexpr (kStage == ffi::ExecutionStage::kInitialize) {
+    if (std::string err = EnsureLoaded(variant.info(), device); !err.empty())
+      return ffi::Error::Internal(std::string(target) + ": " + variant.symbol + " cannot run: " + err);
+    return ffi::Error::Success();
+  } else {
+    for (const void *ptr : aligned16)
+      if (!Aligned(ptr, 16))
+        return InvalidArgument(target, std::string(variant.symbol) + ": " + aligned_names + " must be 16-byte aligned");
+    if (ffi::Error err = PrepareForLaunch(target, variant.info(), stream, device); err.failure()) return err;
+    return CheckedLaunch(target, variant.symbol, launch);
+  }
+}
+
+}  // namespace fa4_jax
