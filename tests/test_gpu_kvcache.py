@@ -213,3 +213,37 @@ def test_kvcache_ffi_rejects_num_splits_over_workspace(built):
                                    jnp.full((8,), -jnp.inf, jnp.float32), softmax_scale=np.float32(0.1),
                                    softcap=np.float32(0), window_left=np.int32(-1), window_right=np.int32(-1),
                                    num_splits=np.int32(3), paged=False))
+
+
+def test_kvcache_out_of_range_indices_are_clamped(built):
+    """cache_seqlens outside [0, capacity] and page ids outside the pool: the kernel clamps them the
+    way the reference does (the results are unspecified by the contract, but must stay in bounds and
+    match the reference's clamping), and a correct call afterwards still works."""
+    _require(built, "bf16", 128, {}, True)
+    b, h_q, h_k, d, ps, n_pages = 3, 8, 2, 128, 16, 10
+    ks = jax.random.split(jax.random.key(21), 3)
+    q = jax.random.normal(ks[0], (b, 2, h_q, d), jnp.float32).astype(jnp.bfloat16)
+    kp = jax.random.normal(ks[1], (n_pages, ps, h_k, d), jnp.float32).astype(jnp.bfloat16)
+    vp = jax.random.normal(ks[2], (n_pages, ps, h_k, d), jnp.float32).astype(jnp.bfloat16)
+    table = jnp.array([[0, 1, 2, 3], [-7, 4, 99, 5], [6, 7, 8, 1 << 30]], jnp.int32)
+    lens = jnp.array([-5, 1 << 30, 50], jnp.int32)
+    run = lambda impl: fa4_jax.attention_with_kvcache(q, kp, vp, lens, page_table=table, return_lse=True,  # noqa: E731
+                                                      implementation=impl)
+    (o, lse), (o_x, lse_x) = run("fa4"), run("xla")
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_x, np.float32), atol=2e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_x), atol=1e-3, rtol=0)
+    test_kvcache_decode_splits(built, None)  # the device is still healthy
+
+
+def test_kvcache_grid_beyond_65535_tiles(built):
+    """batch x heads_kv = 98304 tiles: the 1-D tile scheduler, not gridDim.y/z, bounds the grid."""
+    _require(built, "bf16", 128, {}, False)
+    b, h, cap, d = 3072, 32, 16, 128
+    ks = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(ks[0], (b, 1, h, d), jnp.float32).astype(jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (b, cap, h, d), jnp.float32).astype(jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (b, cap, h, d), jnp.float32).astype(jnp.bfloat16)
+    lens = jnp.asarray(np.random.default_rng(0).integers(0, cap + 1, b), jnp.int32)
+    o = fa4_jax.attention_with_kvcache(q, kc, vc, lens, implementation="fa4")
+    o_x = fa4_jax.attention_with_kvcache(q, kc, vc, lens, implementation="xla")
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_x, np.float32), atol=2e-2, rtol=0)

@@ -144,3 +144,19 @@ def test_varlen_vmap(built):
         oi, li = f(q[i], k[i], v[i], cu_q[i], cu_k[i])
         np.testing.assert_allclose(np.asarray(o[i], np.float32), np.asarray(oi, np.float32), atol=1e-2, rtol=0)
         np.testing.assert_allclose(np.asarray(lse[i]), np.asarray(li), atol=1e-4, rtol=0)
+
+
+def test_varlen_broken_offsets_stay_in_bounds(built):
+    """Offsets that break the contract (decreasing, negative, past the tensors) give unspecified
+    results but no fault: every write is dropped outside [0, total_q), every read outside the
+    tensors is a TMA zero fill. A correct call afterwards still works."""
+    _require(built, "bf16", 128, dict(causal=True))
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (40, 8, 128), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (30, 2, 128), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (30, 2, 128), jnp.float32).astype(jnp.bfloat16)
+    for cu_q, cu_k in [([0, 25, 10, 100000], [0, 5, -40, 70000]), ([-300, 5, 39, -2], [0, 30, 30, 30])]:
+        o = fa4_jax.attention_varlen(q, k, v, jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32),
+                                     causal=True, implementation="fa4")
+        jax.block_until_ready(o)
+    run_varlen_case(built, SEQS, opts=dict(causal=True))  # the device is still healthy

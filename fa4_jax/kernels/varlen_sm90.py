@@ -273,7 +273,8 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
         pseudo-batch's m-blocks, get o = 0 and lse = the sink logit (-inf without sinks)."""
         cfg = self.cfg
         n_threads = 128 * cfg.num_consumer_wg
-        start = ctx.mCuSeqlensQ[ctx.num_batch]
+        # Clamped: a negative offset (a broken contract) must not write before the tensor.
+        start = cutlass.max(ctx.mCuSeqlensQ[ctx.num_batch], 0)
         stride = ctx.num_m_blocks * cfg.tile_m
         zero = Float32(0.0).to(mO.element_type)
         row0 = start + work.m_block * cfg.tile_m
