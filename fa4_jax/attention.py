@@ -87,3 +87,14 @@ def resolve_implementation(implementation, variant) -> str:
     if implementation == "fa4":
         raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
     return "xla"
+
+
+def resolve_with_head_dims(implementation, variant, head_dim: int, kernel_head_dims: tuple, entry_point: str) -> str:
+    """resolve_implementation for an entry point whose kernels cover only `kernel_head_dims`: other
+    head dims run the reference (None) or raise ("fa4") before any library probe."""
+    if head_dim not in kernel_head_dims and implementation in (None, "fa4"):
+        if implementation == "fa4":
+            raise RuntimeError(f'implementation="fa4" cannot run here: the {entry_point} kernels support head_dim '
+                               f'{kernel_head_dims}, got {head_dim}; use implementation="xla" or None')
+        return "xla"
+    return resolve_implementation(implementation, variant)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options, dtype_tag
-from fa4_jax.attention import _trim_window, resolve_implementation
+from fa4_jax.attention import _trim_window, resolve_with_head_dims
 from fa4_jax.families import KVCacheVariant, mask_kind
 from fa4_jax.families.kvcache import HEAD_DIMS as KVCACHE_HEAD_DIMS
 from fa4_jax.primitive_kvcache import fa4_kvcache_p
@@ -60,14 +60,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
     left, right = _trim_window(*window, q.shape[1], capacity)
     head_dim = q.shape[-1]
-    if head_dim not in KVCACHE_HEAD_DIMS and implementation != "xla":
-        if implementation == "fa4":
-            raise RuntimeError(f'implementation="fa4" cannot run here: the KV-cache kernels support head_dim '
-                               f'{KVCACHE_HEAD_DIMS}, got {head_dim}; use implementation="xla" or None')
-        implementation = "xla"
     variant = lambda arch: KVCacheVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0,  # noqa: E731
                                           paged)
-    implementation = resolve_implementation(implementation, variant)
+    implementation = resolve_with_head_dims(implementation, variant, head_dim, KVCACHE_HEAD_DIMS, "KV-cache")
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
     o, lse = fa4_kvcache_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
                                 has_sinks=sinks is not None, paged=paged, num_splits=num_splits or 0,

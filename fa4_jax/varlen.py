@@ -4,7 +4,7 @@ conventions: (total_tokens, heads, head_dim) tensors and int32 cumulative offset
 from __future__ import annotations
 
 from fa4_jax._validation import check_flag, check_options, check_varlen, dtype_tag
-from fa4_jax.attention import _trim_window, resolve_implementation
+from fa4_jax.attention import _trim_window, resolve_with_head_dims
 from fa4_jax.families import VarlenVariant, mask_kind
 from fa4_jax.families.varlen import HEAD_DIMS as VARLEN_HEAD_DIMS
 from fa4_jax.primitive_varlen import fa4_varlen_p
@@ -42,13 +42,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
     left, right = _trim_window(*window, q.shape[0], k.shape[0])
     head_dim = q.shape[-1]
-    if head_dim not in VARLEN_HEAD_DIMS and implementation != "xla":
-        if implementation == "fa4":
-            raise RuntimeError(f'implementation="fa4" cannot run here: the varlen kernels support head_dim '
-                               f'{VARLEN_HEAD_DIMS}, got {head_dim}; use implementation="xla" or None')
-        implementation = "xla"
     variant = lambda arch: VarlenVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0)  # noqa: E731
-    implementation = resolve_implementation(implementation, variant)
+    implementation = resolve_with_head_dims(implementation, variant, head_dim, VARLEN_HEAD_DIMS, "varlen")
     operands = tuple(x for x in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks) if x is not None)
     o, lse = fa4_varlen_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
                                has_seqused=seqused_k is not None, has_sinks=sinks is not None,

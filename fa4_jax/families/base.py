@@ -146,6 +146,17 @@ class Variant:
             raise ValueError(f"not a canonical {cls.__name__} symbol: {symbol=} (would be {variant.symbol})")
         return variant
 
+    def check_fields(self, choices: dict, flags: tuple = ()) -> None:
+        """ValueError unless each field in `choices` holds one of its allowed values; TypeError unless
+        each field in `flags` is a bool. For the subclasses' __post_init__."""
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"unsupported {name}: self.{name}={value!r}; expected one of {tuple(allowed)}")
+        for name in flags:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool: self.{name}={getattr(self, name)!r}")
+
     def __str__(self) -> str:  # used in error messages
         return self.symbol
 

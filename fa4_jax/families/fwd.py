@@ -56,16 +56,7 @@ class FwdVariant(Variant):
     softcap: bool = False
 
     def __post_init__(self):
-        if self.arch not in ARCH_CC:
-            raise ValueError(f"unsupported arch: {self.arch=}; expected one of {tuple(ARCH_CC)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype: {self.dtype=}; expected one of {DTYPES}")
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim: {self.head_dim=}; expected one of {HEAD_DIMS}")
-        if self.mask not in MASKS:
-            raise ValueError(f"unsupported mask: {self.mask=}; expected one of {MASKS}")
-        if not isinstance(self.softcap, bool):
-            raise TypeError(f"softcap must be a bool: {self.softcap=}")
+        self.check_fields({"arch": ARCH_CC, "dtype": DTYPES, "head_dim": HEAD_DIMS, "mask": MASKS}, ("softcap",))
 
     @property
     def causal(self) -> bool:

@@ -68,17 +68,8 @@ class KVCacheVariant(Variant):
     paged: bool = False
 
     def __post_init__(self):
-        if self.arch not in ARCH_CC:
-            raise ValueError(f"unsupported arch: {self.arch=}; expected one of {tuple(ARCH_CC)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype: {self.dtype=}; expected one of {DTYPES}")
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim: {self.head_dim=}; expected one of {HEAD_DIMS}")
-        if self.mask not in MASKS:
-            raise ValueError(f"unsupported mask: {self.mask=}; expected one of {MASKS}")
-        for name in ("softcap", "paged"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool: {getattr(self, name)=}")
+        self.check_fields({"arch": ARCH_CC, "dtype": DTYPES, "head_dim": HEAD_DIMS, "mask": MASKS},
+                          ("softcap", "paged"))
 
     def _symbol_parts(self):
         parts = [self.arch, self.dtype, f"hd{self.head_dim}", self.mask]

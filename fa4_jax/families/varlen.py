@@ -35,8 +35,7 @@ class VarlenVariant(FwdVariant):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"unsupported head_dim for varlen: {self.head_dim=}; expected one of {HEAD_DIMS}")
+        self.check_fields({"head_dim": HEAD_DIMS})
 
 
 def default_menu() -> tuple[VarlenVariant, ...]:
