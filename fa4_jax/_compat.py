@@ -47,3 +47,11 @@ def register_jvp(prim, rule) -> None:
 
 def register_transpose(prim, rule) -> None:
     _primitive_transposes[prim] = rule
+
+
+def mark_requires_devices_during_lowering(prim) -> None:
+    """`prim` lowers through custom_partitioning, which needs the device assignment while lowering;
+    jax only provides it to jaxprs containing a primitive in this set (as for its cuDNN attention)."""
+    from jax._src import dispatch  # private: no public home
+
+    dispatch.prim_requires_devices_during_lowering.add(prim)

@@ -3,9 +3,10 @@
 Operands: q, k, v and, when has_sinks, sinks (heads_q,) float32.
 Params: softmax_scale (float), window_left / window_right (ints, causal folded in: causal is
 (-1, 0)), softcap (float, 0 = off), has_sinks (bool), implementation ("fa4" | "xla").
-Lowering: on CUDA with implementation="fa4" a typed-FFI custom call to the AOT-built kernel
-library; everywhere else (CPU, or "xla") the pure-JAX reference, so a function traced for the
-kernel still runs if it ends up compiled for another platform.
+Lowering: through the sharding rule (fa4_jax/sharding.py) into the per-shard primitive
+`fa4_fwd_local`, which lowers on CUDA with implementation="fa4" to a typed-FFI custom call to the
+AOT-built kernel library, everywhere else (CPU, or "xla") to the pure-JAX reference, so a function
+traced for the kernel still runs if it ends up compiled for another platform.
 The primitive is inference-only: JVP and transpose raise.
 """
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import _compat
+from fa4_jax import _compat, sharding
 from fa4_jax._validation import (
     check_flag,
     check_implementation,
@@ -83,6 +84,12 @@ def _abstract_eval(q, k, v, *sinks, **params):
 
 fa4_fwd_p.def_abstract_eval(_abstract_eval)
 
+# The per-shard primitive: fa4_fwd_p lowers through the sharding rule (fa4_jax/sharding.py) into
+# this one, whose lowering is the kernel call (CUDA) or the reference.
+fa4_fwd_local_p = _compat.Primitive("fa4_fwd_local")
+fa4_fwd_local_p.multiple_results = True
+fa4_fwd_local_p.def_abstract_eval(_abstract_eval)
+
 
 def define_jitted_impl(prim) -> None:
     """Eager calls of `prim` compile the same way jitted ones do: one cached executable per param set."""
@@ -132,8 +139,9 @@ def _cuda_lowering(ctx, *operands, **params):
     return _kernel_lowering(ctx, *operands, **params)
 
 
-_compat.register_lowering(fa4_fwd_p, _reference_lowering)
-_compat.register_lowering(fa4_fwd_p, _cuda_lowering, platform="cuda")
+_compat.register_lowering(fa4_fwd_local_p, _reference_lowering)
+_compat.register_lowering(fa4_fwd_local_p, _cuda_lowering, platform="cuda")
+sharding.register(fa4_fwd_p, fa4_fwd_local_p, *sharding.fwd_rules)
 
 
 # --------------------------------------------------------------------------------------------------
