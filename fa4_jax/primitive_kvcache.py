@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import _compat
+from fa4_jax import _compat, sharding
 from fa4_jax.families.kvcache import KVCACHE, auto_split_capacity
 from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_with_kvcache_reference
@@ -43,6 +43,11 @@ def _abstract_eval(*operands, paged, has_sinks, **params):
 
 
 fa4_kvcache_p.def_abstract_eval(_abstract_eval)
+
+# The per-shard primitive (see fa4_jax/sharding.py): fa4_kvcache_p lowers through the sharding rule into it.
+fa4_kvcache_local_p = _compat.Primitive("fa4_kvcache_local")
+fa4_kvcache_local_p.multiple_results = True
+fa4_kvcache_local_p.def_abstract_eval(_abstract_eval)
 
 
 define_jitted_impl(fa4_kvcache_p)
@@ -107,8 +112,9 @@ def _cuda_lowering(ctx, *operands, **params):
     return _kernel_lowering(ctx, *operands, **params)
 
 
-_compat.register_lowering(fa4_kvcache_p, _reference_lowering)
-_compat.register_lowering(fa4_kvcache_p, _cuda_lowering, platform="cuda")
+_compat.register_lowering(fa4_kvcache_local_p, _reference_lowering)
+_compat.register_lowering(fa4_kvcache_local_p, _cuda_lowering, platform="cuda")
+sharding.register(fa4_kvcache_p, fa4_kvcache_local_p, *sharding.kvcache_rules)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import _compat
+from fa4_jax import _compat, sharding
 from fa4_jax.families.varlen import VARLEN
 from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_varlen_reference
@@ -37,6 +37,11 @@ def _abstract_eval(q, *operands, **params):
 
 
 fa4_varlen_p.def_abstract_eval(_abstract_eval)
+
+# The per-shard primitive (see fa4_jax/sharding.py): fa4_varlen_p lowers through the sharding rule into it.
+fa4_varlen_local_p = _compat.Primitive("fa4_varlen_local")
+fa4_varlen_local_p.multiple_results = True
+fa4_varlen_local_p.def_abstract_eval(_abstract_eval)
 
 
 define_jitted_impl(fa4_varlen_p)
@@ -80,8 +85,9 @@ def _cuda_lowering(ctx, *operands, **params):
     return _kernel_lowering(ctx, *operands, **params)
 
 
-_compat.register_lowering(fa4_varlen_p, _reference_lowering)
-_compat.register_lowering(fa4_varlen_p, _cuda_lowering, platform="cuda")
+_compat.register_lowering(fa4_varlen_local_p, _reference_lowering)
+_compat.register_lowering(fa4_varlen_local_p, _cuda_lowering, platform="cuda")
+sharding.register(fa4_varlen_p, fa4_varlen_local_p, *sharding.varlen_rules)
 
 
 def _batch_rule(args, dims, *, has_seqused, has_sinks, max_seqlen_q, **params):

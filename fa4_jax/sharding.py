@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
@@ -41,20 +42,31 @@ def _spec(sharding, ndim: int) -> tuple:
 # dense attention
 
 
+def _heads_factor(heads_q: int, heads_kv: int):
+    """The q-head dimension's factor and the factor sizes it needs: (hk g), kv-head-major. Shardy
+    refuses size-1 factors inside a compound, so MHA maps q-heads to hk and MQA to g alone."""
+    g = heads_q // heads_kv
+    if g == 1:
+        return "hk", {}
+    if heads_kv == 1:
+        return "g", {}
+    return CompoundFactor("hk", "g"), {"g": g}
+
+
+def _masked(params: dict) -> bool:
+    return params["window_left"] >= 0 or params["window_right"] >= 0
+
+
 def _fwd_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     q, k = value_types[0], value_types[1]
-    g = q.shape[2] // k.shape[2]
-    # Shardy refuses size-1 factors inside a compound: MHA maps q-heads to hk, MQA to g alone.
-    heads = "hk" if g == 1 else ("g" if k.shape[2] == 1 else CompoundFactor("hk", "g"))
+    heads, sizes = _heads_factor(q.shape[2], k.shape[2])
     operands = [ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", "sk", "hk", "d"),
                 ArrayMapping("b", "sk", "hk", "d")]
     if params["has_sinks"]:
         operands.append(ArrayMapping(heads))
     results = (ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", heads, "sq"))
-    masked = params["window_left"] >= 0 or params["window_right"] >= 0
     # Shardy wants special factors in the order the factors first appear (b, sq, hk, g, d, sk).
-    replicate = (("sq",) if masked else ()) + ("d", "sk")
-    sizes = {"g": g} if isinstance(heads, CompoundFactor) else {}
+    replicate = (("sq",) if _masked(params) else ()) + ("d", "sk")
     return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
 
 
@@ -98,8 +110,7 @@ def _fwd_plan(params: dict, mesh, arg_shapes):
     q, k = arg_shapes[0], arg_shapes[1]
     b, sq, h, _ = _spec(q.sharding, 4)
     q_axes, kv_axes, kv_slice = _head_plan(mesh, h, q.shape[2], k.shape[2])
-    masked = params["window_left"] >= 0 or params["window_right"] >= 0
-    sq = None if masked else sq
+    sq = None if _masked(params) else sq
     h = _entry(q_axes)
     arg_specs = [PartitionSpec(b, sq, h, None), PartitionSpec(b, None, _entry(kv_axes), None),
                  PartitionSpec(b, None, _entry(kv_axes), None)]
@@ -114,18 +125,170 @@ def _fwd_out_shardings(params: dict, mesh, arg_shapes):
     return tuple(NamedSharding(mesh, s) for s in out_specs)
 
 
-def _fwd_partition(call, params: dict, mesh, arg_shapes):
+def _slice_kv_heads(q_axes: tuple, kv_slice: int, *kv):
+    """K/V replicated over more head shards than KV heads: this shard's q-heads all read KV head
+    axis_index // kv_slice (kv_slice = head shards per KV head)."""
+    if not kv_slice:
+        return kv
+    kv_head = jax.lax.axis_index(_entry(q_axes)) // kv_slice
+    return tuple(jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in kv)
+
+
+def _shardings(mesh, specs) -> tuple:
+    return tuple(NamedSharding(mesh, s) for s in specs)
+
+
+def _fwd_partition(bind, params: dict, mesh, arg_shapes):
     arg_specs, out_specs, q_axes, kv_slice = _fwd_plan(params, mesh, arg_shapes)
 
     def impl(q, k, v, *rest):
-        if kv_slice:
-            # K/V replicated over more head shards than KV heads: this shard's q-heads all read KV
-            # head axis_index // kv_slice.
-            kv_head = jax.lax.axis_index(_entry(q_axes)) // kv_slice
-            k, v = (jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
-        return call(q, k, v, *rest)
+        k, v = _slice_kv_heads(q_axes, kv_slice, k, v)
+        return bind(q, k, v, *rest, **params)
 
-    return impl, tuple(NamedSharding(mesh, s) for s in arg_specs), tuple(NamedSharding(mesh, s) for s in out_specs)
+    return impl, _shardings(mesh, arg_specs), _shardings(mesh, out_specs)
+
+
+# --------------------------------------------------------------------------------------------------
+# KV-cache attention (fa4_kvcache). Factors: q (b, sq, (hk g), d); contiguous caches (b, cap, hk, d) or
+# paged pools (pages, ps, hk, d) with page_table (b, mp); cache_seqlens (b); sinks ((hk g)).
+# Batch and heads as for dense attention (a paged pool is replicated: every batch shard may read any
+# page). Context parallelism: a contiguous cache sharded along its length runs attention of each
+# device's queries against its slice of keys (local lengths clip(len - start, 0, slice)) and merges
+# the partial (o, lse) of all slices with one all-gather of b x h x s_q x (d + 1) values and an
+# LSE-weighted sum; never the cache moves. Exact for decode (s_q = 1) without a window; causal with
+# s_q > 1, windows and paged pools replicate the cache length first.
+
+
+def _cp_allowed(params: dict, s_q: int) -> bool:
+    causal = params["window_left"] < 0 and params["window_right"] == 0
+    return not params["paged"] and (not _masked(params) or (causal and s_q == 1))
+
+
+def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
+    q, k = value_types[0], value_types[1]
+    heads, sizes = _heads_factor(q.shape[2], k.shape[2])
+    paged = params["paged"]
+    cache = ArrayMapping("pages", "ps", "hk", "d") if paged else ArrayMapping("b", "cap", "hk", "d")
+    operands = [ArrayMapping("b", "sq", heads, "d"), cache, cache, ArrayMapping("b")]
+    if paged:
+        operands.append(ArrayMapping("b", "mp"))
+    if params["has_sinks"]:
+        operands.append(ArrayMapping(heads))
+    results = (ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", heads, "sq"))
+    replicate = ("sq",) if _masked(params) else ()
+    replicate += ("d",) + (("pages", "ps", "mp") if paged else (() if _cp_allowed(params, q.shape[1]) else ("cap",)))
+    return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
+
+
+def _kvcache_plan(params: dict, mesh, arg_shapes):
+    q, k = arg_shapes[0], arg_shapes[1]
+    b, sq, h, _ = _spec(q.sharding, 4)
+    _, cap, _, _ = _spec(k.sharding, 4)
+    q_axes, kv_axes, kv_slice = _head_plan(mesh, h, q.shape[2], k.shape[2])
+    sq = None if _masked(params) else sq
+    h, kvh = _entry(q_axes), _entry(kv_axes)
+    cp_axes = tuple(a for a in _axes(cap) if a not in _axes(b) + q_axes) if _cp_allowed(params, q.shape[1]) else ()
+    if params["paged"]:
+        cache = PartitionSpec(None, None, kvh, None)
+    else:
+        cache = PartitionSpec(b, _entry(cp_axes), kvh, None)
+    arg_specs = [PartitionSpec(b, sq, h, None), cache, cache, PartitionSpec(b)]
+    if params["paged"]:
+        arg_specs.append(PartitionSpec(b, None))
+    if params["has_sinks"]:
+        arg_specs.append(PartitionSpec(h))
+    out_specs = (PartitionSpec(b, sq, h, None), PartitionSpec(b, h, sq))
+    return arg_specs, out_specs, q_axes, kv_slice, cp_axes
+
+
+def _kvcache_out_shardings(params: dict, mesh, arg_shapes):
+    return _shardings(mesh, _kvcache_plan(params, mesh, arg_shapes)[1])
+
+
+def merge_partials(o, lse, sinks=None):
+    """Exact attention from partials over disjoint key sets: o (n, b, s_q, h, d) each normalised over
+    its own keys, lse (n, b, h, s_q); sinks (h,) join the denominator once. A part with lse = -inf
+    (no key) weighs 0; a row with no key anywhere gives o = 0, lse = -inf (or the sink logit)."""
+    lse = lse.astype(jnp.float32)
+    big = lse.max(axis=0)
+    if sinks is not None:
+        big = jnp.maximum(big, sinks.astype(jnp.float32)[None, :, None])
+    big = jnp.where(jnp.isfinite(big), big, 0.0)
+    w = jnp.exp(lse - big[None])  # (n, b, h, s_q)
+    denom = w.sum(axis=0)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32)[None, :, None] - big)
+    scale = jnp.where(denom > 0, w / jnp.where(denom > 0, denom, 1.0)[None], 0.0)
+    out = jnp.einsum("nbhq,nbqhd->bqhd", scale, o.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.astype(o.dtype), jnp.where(denom > 0, big + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+
+
+def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
+    arg_specs, out_specs, q_axes, kv_slice, cp_axes = _kvcache_plan(params, mesh, arg_shapes)
+
+    def impl(q, k, v, lens, *rest):
+        k, v = _slice_kv_heads(q_axes, kv_slice, k, v)
+        if not cp_axes:
+            return bind(q, k, v, lens, *rest, **params)
+        sinks = rest[-1] if params["has_sinks"] else None
+        start = jax.lax.axis_index(_entry(cp_axes)) * k.shape[1]
+        local = jnp.clip(lens - start, 0, k.shape[1]).astype(jnp.int32)
+        o, lse = bind(q, k, v, local, **dict(params, has_sinks=False))
+        o_all = jax.lax.all_gather(o, _entry(cp_axes))
+        lse_all = jax.lax.all_gather(lse, _entry(cp_axes))
+        return merge_partials(o_all, lse_all, sinks)
+
+    return impl, _shardings(mesh, arg_specs), _shardings(mesh, out_specs)
+
+
+# --------------------------------------------------------------------------------------------------
+# varlen attention (fa4_varlen). Factors: q (tq, (hk g), d), k and v (tk, hk, d), cu_seqlens (b1),
+# seqused_k (bu), sinks ((hk g)). Heads shard as for dense attention; the packed token axes and the
+# offsets are replicated first (a token shard would cut sequences).
+
+
+def _varlen_rule(params: dict, value_types, result_types) -> SdyShardingRule:
+    q, k = value_types[0], value_types[1]
+    heads, sizes = _heads_factor(q.shape[1], k.shape[1])
+    operands = [ArrayMapping("tq", heads, "d"), ArrayMapping("tk", "hk", "d"), ArrayMapping("tk", "hk", "d"),
+                ArrayMapping("b1"), ArrayMapping("b1")]
+    if params["has_seqused"]:
+        operands.append(ArrayMapping("bu"))
+    if params["has_sinks"]:
+        operands.append(ArrayMapping(heads))
+    results = (ArrayMapping("tq", heads, "d"), ArrayMapping(heads, "tq"))
+    replicate = ("tq", "d", "tk", "b1") + (("bu",) if params["has_seqused"] else ())
+    return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
+
+
+def _varlen_plan(params: dict, mesh, arg_shapes):
+    q, k = arg_shapes[0], arg_shapes[1]
+    _, h, _ = _spec(q.sharding, 3)
+    q_axes, kv_axes, kv_slice = _head_plan(mesh, h, q.shape[1], k.shape[1])
+    h, kvh = _entry(q_axes), _entry(kv_axes)
+    arg_specs = [PartitionSpec(None, h, None), PartitionSpec(None, kvh, None), PartitionSpec(None, kvh, None),
+                 PartitionSpec(None), PartitionSpec(None)]
+    if params["has_seqused"]:
+        arg_specs.append(PartitionSpec(None))
+    if params["has_sinks"]:
+        arg_specs.append(PartitionSpec(h))
+    return arg_specs, (PartitionSpec(None, h, None), PartitionSpec(h, None)), q_axes, kv_slice
+
+
+def _varlen_out_shardings(params: dict, mesh, arg_shapes):
+    return _shardings(mesh, _varlen_plan(params, mesh, arg_shapes)[1])
+
+
+def _varlen_partition(bind, params: dict, mesh, arg_shapes):
+    arg_specs, out_specs, q_axes, kv_slice = _varlen_plan(params, mesh, arg_shapes)
+
+    def impl(q, k, v, *rest):
+        if kv_slice:  # (t, h, d): heads are axis 1 here
+            kv_head = jax.lax.axis_index(_entry(q_axes)) // kv_slice
+            k, v = (jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=1) for x in (k, v))
+        return bind(q, k, v, *rest, **params)
+
+    return impl, _shardings(mesh, arg_specs), _shardings(mesh, out_specs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,18 +298,19 @@ def _fwd_partition(call, params: dict, mesh, arg_shapes):
 @functools.lru_cache(maxsize=None)
 def _partitioned(local_prim, num_operands: int, rule, out_shardings, plan):
     """custom_partitioning of `local_prim.bind` over num_operands arrays; the primitive's params
-    travel as one static argument (a sorted tuple of items). `plan(call, params, mesh, arg_shapes)`
-    returns the per-shard function and the operand/result shardings it needs (the partitioner
-    reshards operands that arrive otherwise)."""
+    travel as one static argument (a sorted tuple of items). `plan(bind, params, mesh, arg_shapes)`
+    returns the per-shard function (which binds the local primitive through `bind(*operands,
+    **params)`) and the operand/result shardings it needs (the partitioner reshards operands that
+    arrive otherwise)."""
 
-    def call_with(params):
-        return lambda *operands: tuple(local_prim.bind(*operands, **dict(params)))
+    def bind(*operands, **params):
+        return tuple(local_prim.bind(*operands, **params))
 
-    fn = custom_partitioning(lambda *args: call_with(args[num_operands])(*args[:num_operands]),
+    fn = custom_partitioning(lambda *args: bind(*args[:num_operands], **dict(args[num_operands])),
                              static_argnums=(num_operands,))
 
     def partition(params, mesh, arg_shapes, result_shape):
-        impl, arg_shardings, result_shardings = plan(call_with(params), dict(params), mesh, arg_shapes)
+        impl, arg_shardings, result_shardings = plan(bind, dict(params), mesh, arg_shapes)
         return mesh, impl, result_shardings, arg_shardings
 
     def infer(params, mesh, arg_shapes, result_shape):
@@ -177,3 +341,5 @@ def register(outer_prim, local_prim, rule, out_shardings, plan) -> None:
 
 
 fwd_rules = (_fwd_rule, _fwd_out_shardings, _fwd_partition)
+kvcache_rules = (_kvcache_rule, _kvcache_out_shardings, _kvcache_partition)
+varlen_rules = (_varlen_rule, _varlen_out_shardings, _varlen_partition)

@@ -58,6 +58,73 @@ def run(name, mesh, q_spec, kv_spec, *, h_q=8, h_k=8, s=64, d=64, sink_spec=None
     )), flush=True)
 
 
+def run_fn(name, mesh, f, arrays, specs, *, cache_bytes=0, partial_bytes=0):
+    """f(*arrays) -> (o, lse) on sharded arrays vs unsharded; reports collectives."""
+    want = jax.jit(f)(*arrays)
+    args = tuple(jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip(arrays, specs))
+    jf = jax.jit(f)
+    got = jf(*args)
+    text = jf.lower(*args).compile().as_text()
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    print(json.dumps(dict(
+        case=name,
+        max_err_o=float(np.abs(f32(got[0]) - f32(want[0])).max()),
+        # -inf (rows without keys) must match exactly (lse_inf_match); compare the finite rest.
+        max_err_lse=float(np.abs(np.where(np.isfinite(f32(want[1])), f32(got[1]) - f32(want[1]), 0.0)).max()),
+        lse_inf_match=bool((np.isneginf(f32(got[1])) == np.isneginf(f32(want[1]))).all()),
+        collectives=collectives(text),
+        out_spec=str(got[0].sharding.spec),
+        q_bytes=int(arrays[0].size * 2), cache_bytes=int(cache_bytes), partial_bytes=int(partial_bytes),
+    )), flush=True)
+
+
+def kvcache_cases(m24, m8):
+    b, cap, h_q, h_k, d = 4, 256, 8, 2, 64
+    ks = jax.random.split(jax.random.key(1), 4)
+    bf = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    kc, vc = bf(ks[1], (b, cap, h_k, d)), bf(ks[2], (b, cap, h_k, d))
+    lens = jnp.array([0, 1, 100, 256], jnp.int32)
+    sinks = jax.random.normal(ks[3], (h_q,), jnp.float32)
+    kv = lambda **kw: (lambda q, k, v, n, *sk: fa4_jax.attention_with_kvcache(  # noqa: E731
+        q, k, v, n, sinks=sk[0] if sk else None, return_lse=True, implementation="xla", **kw))
+    q1 = bf(ks[0], (b, 1, h_q, d))
+    q3 = bf(ks[0], (b, 3, h_q, d))
+    run_fn("kv_batch", m24, kv(causal=True), (q3, kc, vc, lens), (P("data"), P("data"), P("data"), P("data")))
+    run_fn("kv_batch_heads", m24, kv(causal=True), (q3, kc, vc, lens),
+           (P("data", None, "model"), P("data"), P("data"), P("data")))
+    cache_bytes = kc.size * 2
+    partial = b * h_q * 1 * (d + 1) * 4
+    # Context-parallel decode: the cache length over 8 devices (32 keys each); lengths 0 and 1 leave
+    # most slices empty (lse = -inf partials).
+    run_fn("kv_cp_decode", m8, kv(causal=True), (q1, kc, vc, lens, sinks), (P(), P(None, "x"), P(None, "x"), P(), P()),
+           cache_bytes=cache_bytes, partial_bytes=partial)
+    run_fn("kv_cp_decode_batch", m24, kv(), (q1, kc, vc, lens), (P("data"), P("data", "model"), P("data", "model"),
+                                                                  P("data")), cache_bytes=cache_bytes, partial_bytes=partial)
+    # A window needs absolute key positions on every slice: the cache length is gathered first.
+    run_fn("kv_window_replicates_cache", m8, kv(window_size=(40, 0)), (q1, kc, vc, lens),
+           (P(), P(None, "x"), P(None, "x"), P()))
+    # Paged: batch sharded, the pool replicated (every row may point at any page).
+    ps, n_pages = 16, 70
+    pool_k, pool_v = bf(ks[1], (n_pages, ps, h_k, d)), bf(ks[2], (n_pages, ps, h_k, d))
+    table = jnp.asarray(np.random.default_rng(0).permutation(n_pages)[: b * 16].reshape(b, 16), jnp.int32)
+    paged = lambda q, k, v, n, t: fa4_jax.attention_with_kvcache(q, k, v, n, page_table=t, causal=True,  # noqa: E731
+                                                                 return_lse=True, implementation="xla")
+    run_fn("kv_paged_batch", m24, paged, (q3, pool_k, pool_v, lens, table), (P("data"), P(), P(), P("data"), P("data")))
+
+
+def varlen_cases(m24):
+    lens_q, lens_k = [5, 0, 40, 19], [9, 3, 40, 0]
+    cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]), jnp.int32)
+    cu_k = jnp.asarray(np.concatenate([[0], np.cumsum(lens_k)]), jnp.int32)
+    ks = jax.random.split(jax.random.key(2), 3)
+    bf = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    q, k, v = bf(ks[0], (68, 8, 64)), bf(ks[1], (54, 2, 64)), bf(ks[2], (54, 2, 64))
+    f = lambda q, k, v, cq, ck: fa4_jax.attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True,  # noqa: E731
+                                                         implementation="xla")
+    run_fn("varlen_heads", m24, f, (q, k, v, cu_q, cu_k), (P(None, "model"), P(), P(), P(), P()))
+    run_fn("varlen_tokens_replicated", m24, f, (q, k, v, cu_q, cu_k), (P("model"), P(), P(), P(), P()))
+
+
 def main():
     assert len(jax.devices()) == 8, jax.devices()
     m24 = jax.make_mesh((2, 4), ("data", "model"))
@@ -82,6 +149,23 @@ def main():
     want = fa4_jax.attention(q, k, v, causal=True, implementation="xla")
     print(json.dumps(dict(case="shard_map", max_err_o=float(np.abs(np.asarray(got, np.float32)
                                                                        - np.asarray(want, np.float32)).max()),
+                          max_err_lse=0.0, collectives=[], out_spec=str(spec), q_bytes=0)), flush=True)
+    kvcache_cases(m24, m8)
+    varlen_cases(m24)
+    # vmap composes with the sharded lowering: vmap over 2 query sets, batch sharded.
+    qs = jnp.stack([q, q[::-1]])
+    fv = jax.vmap(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="xla"),
+                  in_axes=(0, None, None))
+    run_fn("vmap_batch", m24, fv, (qs, k, v), (P(None, "data"), P("data"), P("data")))
+    # Export of a sharded program: shard_map (no custom_partitioning callback inside) serializes; the
+    # deserialized program runs on the same 8-device mesh.
+    spec = P("data", None, "model")
+    exported = jax.export.export(sm)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m24, spec))
+                                       for x in (q, k, v)))
+    restored = jax.export.deserialize(exported.serialize())
+    out = restored.call(*(jax.device_put(x, NamedSharding(m24, spec)) for x in (q, k, v)))
+    print(json.dumps(dict(case="export_shard_map", max_err_o=float(np.abs(np.asarray(out, np.float32)
+                                                                              - np.asarray(want, np.float32)).max()),
                           max_err_lse=0.0, collectives=[], out_spec=str(spec), q_bytes=0)), flush=True)
     return 0
 
