@@ -41,21 +41,7 @@ def run(name, mesh, q_spec, kv_spec, *, h_q=8, h_k=8, s=64, d=64, sink_spec=None
     use_sinks = sink_spec is not None
     f = lambda q, k, v, sk: fa4_jax.attention(q, k, v, sinks=sk if use_sinks else None, return_lse=True,  # noqa: E731
                                               implementation="xla", **kw)
-    want = jax.jit(f)(q, k, v, sinks)
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
-    args = (put(q, q_spec), put(k, kv_spec), put(v, kv_spec), put(sinks, sink_spec or P()))
-    jf = jax.jit(f)
-    got = jf(*args)
-    text = jf.lower(*args).compile().as_text()
-    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    print(json.dumps(dict(
-        case=name,
-        max_err_o=float(np.abs(f32(got[0]) - f32(want[0])).max()),
-        max_err_lse=float(np.abs(f32(got[1]) - f32(want[1])).max()),
-        collectives=collectives(text),
-        out_spec=str(got[0].sharding.spec),
-        q_bytes=int(q.size * 2),
-    )), flush=True)
+    run_fn(name, mesh, f, (q, k, v, sinks), (q_spec, kv_spec, kv_spec, sink_spec or P()))
 
 
 def run_fn(name, mesh, f, arrays, specs, *, cache_bytes=0, partial_bytes=0):
