@@ -151,17 +151,20 @@ def _fwd_partition(bind, params: dict, mesh, arg_shapes):
 # --------------------------------------------------------------------------------------------------
 # KV-cache attention (fa4_kvcache). Factors: q (b, sq, (hk g), d); contiguous caches (b, cap, hk, d) or
 # paged pools (pages, ps, hk, d) with page_table (b, mp); cache_seqlens (b); sinks ((hk g)).
-# Batch and heads as for dense attention (a paged pool is replicated: every batch shard may read any
-# page). Context parallelism: a contiguous cache sharded along its length runs attention of each
-# device's queries against its slice of keys (local lengths clip(len - start, 0, slice)) and merges
-# the partial (o, lse) of all slices with one all-gather of b x h x s_q x (d + 1) values and an
-# LSE-weighted sum; never the cache moves. Exact for decode (s_q = 1) without a window; causal with
-# s_q > 1, windows and paged pools replicate the cache length first.
+# Batch and heads as for dense attention (an unsplit paged pool is replicated: every batch shard may
+# read any page). Context parallelism: a contiguous cache sharded along its length, or a paged pool
+# sharded by pages (each device holding its own pages), runs attention of each device's queries
+# against its keys (contiguous: local lengths clip(len - start, 0, slice); paged: the row's local
+# pages compacted to the front) and merges the partial (o, lse) of all devices with one all-gather of
+# b x h x s_q x (d + 1) values and an LSE-weighted sum; the cache never moves. Exact without a mask,
+# and for causal decode (s_q = 1); windows and causal s_q > 1 gather the key axis first.
 
 
 def _cp_allowed(params: dict, s_q: int) -> bool:
+    """Whether per-slice attention + merge is exact: every valid key of a sequence is visible to
+    every query (no mask), or decode with a causal mask (one query, at the last position)."""
     causal = params["window_left"] < 0 and params["window_right"] == 0
-    return not params["paged"] and (not _masked(params) or (causal and s_q == 1))
+    return not _masked(params) or (causal and s_q == 1)
 
 
 def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
@@ -175,21 +178,27 @@ def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     if params["has_sinks"]:
         operands.append(ArrayMapping(heads))
     results = (ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", heads, "sq"))
+    cp = _cp_allowed(params, q.shape[1])
     replicate = ("sq",) if _masked(params) else ()
-    replicate += ("d",) + (("pages", "ps", "mp") if paged else (() if _cp_allowed(params, q.shape[1]) else ("cap",)))
+    if paged:
+        replicate += ("d",) + (() if cp else ("pages",)) + ("ps", "mp")
+    else:
+        replicate += ("d",) + (() if cp else ("cap",))
     return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
 
 
 def _kvcache_plan(params: dict, mesh, arg_shapes):
     q, k = arg_shapes[0], arg_shapes[1]
     b, sq, h, _ = _spec(q.sharding, 4)
-    _, cap, _, _ = _spec(k.sharding, 4)
+    k_batch_or_pages, cap, _, _ = _spec(k.sharding, 4)
     q_axes, kv_axes, kv_slice = _head_plan(mesh, h, q.shape[2], k.shape[2])
     sq = None if _masked(params) else sq
     h, kvh = _entry(q_axes), _entry(kv_axes)
-    cp_axes = tuple(a for a in _axes(cap) if a not in _axes(b) + q_axes) if _cp_allowed(params, q.shape[1]) else ()
+    # The sharded key axis: a contiguous cache's length, or a paged pool's pages (device-local pages).
+    split = k_batch_or_pages if params["paged"] else cap
+    cp_axes = tuple(a for a in _axes(split) if a not in _axes(b) + q_axes) if _cp_allowed(params, q.shape[1]) else ()
     if params["paged"]:
-        cache = PartitionSpec(None, None, kvh, None)
+        cache = PartitionSpec(_entry(cp_axes), None, kvh, None)
     else:
         cache = PartitionSpec(b, _entry(cp_axes), kvh, None)
     arg_specs = [PartitionSpec(b, sq, h, None), cache, cache, PartitionSpec(b)]
@@ -223,6 +232,19 @@ def merge_partials(o, lse, sinks=None):
     return out.astype(o.dtype), jnp.where(denom > 0, big + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
 
 
+def _local_pages(table, lens, first_page, num_pages: int, page_size: int):
+    """A device's view of a paged cache whose pool is split by pages: each sequence's pages that live
+    here, moved to the front of its row (order kept, so the one partly filled page stays last) and
+    renumbered locally, and the number of valid keys they hold. Keys elsewhere are other devices'
+    part of the merge."""
+    slot_start = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :] * page_size
+    valid = jnp.clip(lens[:, None] - slot_start, 0, page_size)
+    keep = (table >= first_page) & (table < first_page + num_pages) & (valid > 0)
+    order = jnp.argsort(~keep, axis=1, stable=True)
+    local_table = jnp.clip(jnp.take_along_axis(table - first_page, order, axis=1), 0, num_pages - 1)
+    return local_table.astype(jnp.int32), jnp.where(keep, valid, 0).sum(axis=1).astype(jnp.int32)
+
+
 def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
     arg_specs, out_specs, q_axes, kv_slice, cp_axes = _kvcache_plan(params, mesh, arg_shapes)
 
@@ -231,9 +253,13 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
         if not cp_axes:
             return bind(q, k, v, lens, *rest, **params)
         sinks = rest[-1] if params["has_sinks"] else None
-        start = jax.lax.axis_index(_entry(cp_axes)) * k.shape[1]
-        local = jnp.clip(lens - start, 0, k.shape[1]).astype(jnp.int32)
-        o, lse = bind(q, k, v, local, **dict(params, has_sinks=False))
+        shard = jax.lax.axis_index(_entry(cp_axes))
+        if params["paged"]:
+            table, local = _local_pages(rest[0], lens, shard * k.shape[0], k.shape[0], k.shape[1])
+            o, lse = bind(q, k, v, local, table, **dict(params, has_sinks=False))
+        else:
+            local = jnp.clip(lens - shard * k.shape[1], 0, k.shape[1]).astype(jnp.int32)
+            o, lse = bind(q, k, v, local, **dict(params, has_sinks=False))
         o_all = jax.lax.all_gather(o, _entry(cp_axes))
         lse_all = jax.lax.all_gather(lse, _entry(cp_axes))
         return merge_partials(o_all, lse_all, sinks)

@@ -96,6 +96,17 @@ def kvcache_cases(m24, m8):
     paged = lambda q, k, v, n, t: fa4_jax.attention_with_kvcache(q, k, v, n, page_table=t, causal=True,  # noqa: E731
                                                                  return_lse=True, implementation="xla")
     run_fn("kv_paged_batch", m24, paged, (q3, pool_k, pool_v, lens, table), (P("data"), P(), P(), P("data"), P("data")))
+    # Paged context parallelism: the pool split by pages over 8 devices (9 pages each of 72), pages of
+    # one sequence scattered over devices, the partly filled last page anywhere.
+    pool_k8, pool_v8 = bf(ks[1], (72, ps, h_k, d)), bf(ks[2], (72, ps, h_k, d))
+    table8 = jnp.asarray(np.random.default_rng(1).permutation(72)[: b * 16].reshape(b, 16), jnp.int32)
+    lens8 = jnp.array([0, 17, 100, 256], jnp.int32)
+    run_fn("kv_cp_paged_decode", m8, paged, (q1, pool_k8, pool_v8, lens8, table8), (P(), P("x"), P("x"), P(), P()),
+           cache_bytes=pool_k8.size * 2, partial_bytes=partial)
+    full = lambda q, k, v, n, t, sk: fa4_jax.attention_with_kvcache(q, k, v, n, page_table=t, sinks=sk,  # noqa: E731
+                                                                    return_lse=True, implementation="xla")
+    run_fn("kv_cp_paged_full_sinks", m8, full, (q3, pool_k8, pool_v8, lens8, table8, sinks),
+           (P(), P("x"), P("x"), P(), P(), P()), cache_bytes=pool_k8.size * 2, partial_bytes=b * h_q * 3 * (d + 1) * 4)
 
 
 def varlen_cases(m24):
