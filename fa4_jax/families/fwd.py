@@ -110,6 +110,16 @@ _PARAMS = (
 )
 
 
+# The dispatch key every attention family starts from (the variant fields the handler derives from a
+# call: device, dtype, head_dim, mask kind, softcap); families with more fields extend it.
+ATTENTION_KEY = (
+    KeyField("arch", "int", arch_literal),
+    KeyField("dtype", "::fa4_jax::DType", dtype_literal),
+    KeyField("head_dim", "int", int_literal),
+    KeyField("mask", "Mask", enum_literal("Mask")),
+    KeyField("softcap", "bool", bool_literal),
+)
+
 FWD = KernelFamily(
     name="fwd",
     # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
@@ -126,13 +136,7 @@ FWD = KernelFamily(
     ),
     scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
                               "max_ctas"),
-    key=(
-        KeyField("arch", "int", arch_literal),
-        KeyField("dtype", "::fa4_jax::DType", dtype_literal),
-        KeyField("head_dim", "int", int_literal),
-        KeyField("mask", "Mask", enum_literal("Mask")),
-        KeyField("softcap", "bool", bool_literal),
-    ),
+    key=ATTENTION_KEY,
     enums={"Mask": MASKS},
     handler="ffi/fwd.cc",
     compile="fa4_jax.kernels.fwd:compile_variant",

@@ -23,15 +23,11 @@ from fa4_jax.families.base import (
     KeyField,
     TensorArg,
     Variant,
-    arch_literal,
     bool_literal,
-    dtype_literal,
-    enum_literal,
-    int_literal,
     params_as_scalars,
     parse_hd,
 )
-from fa4_jax.families.fwd import MASKS
+from fa4_jax.families.fwd import ATTENTION_KEY, MASKS
 
 HEAD_DIMS = (64, 128, 256)
 # Rows of one query tile (one consumer warpgroup) and keys per split granule: the Python lowering
@@ -148,14 +144,7 @@ KVCACHE = KernelFamily(
     ),
     scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
                               "num_splits"),
-    key=(
-        KeyField("arch", "int", arch_literal),
-        KeyField("dtype", "::fa4_jax::DType", dtype_literal),
-        KeyField("head_dim", "int", int_literal),
-        KeyField("mask", "Mask", enum_literal("Mask")),
-        KeyField("softcap", "bool", bool_literal),
-        KeyField("paged", "bool", bool_literal),
-    ),
+    key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal),),
     enums={"Mask": MASKS},
     handler="ffi/kvcache.cc",
     compile="fa4_jax.kernels.kvcache:compile_variant",

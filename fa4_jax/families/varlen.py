@@ -12,17 +12,11 @@ from dataclasses import dataclass
 from fa4_jax.families.base import (
     Field,
     KernelFamily,
-    KeyField,
     TensorArg,
-    arch_literal,
-    bool_literal,
-    dtype_literal,
-    enum_literal,
-    int_literal,
     params_as_scalars,
 )
 from fa4_jax.families.base import DTYPES
-from fa4_jax.families.fwd import MASKS, FwdVariant
+from fa4_jax.families.fwd import ATTENTION_KEY, MASKS, FwdVariant
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -86,13 +80,7 @@ VARLEN = KernelFamily(
     ),
     scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
                               "max_seqlen_q", "max_ctas"),
-    key=(
-        KeyField("arch", "int", arch_literal),
-        KeyField("dtype", "::fa4_jax::DType", dtype_literal),
-        KeyField("head_dim", "int", int_literal),
-        KeyField("mask", "Mask", enum_literal("Mask")),
-        KeyField("softcap", "bool", bool_literal),
-    ),
+    key=ATTENTION_KEY,
     enums={"Mask": MASKS},
     handler="ffi/varlen.cc",
     compile="fa4_jax.kernels.varlen:compile_variant",
