@@ -34,6 +34,7 @@ _primitive_batchers = _public_or_private(
 )
 
 ffi_lowering = jax.ffi.ffi_lowering
+mlir_ir = _public_or_private("ir", "jax.interpreters.mlir", "jax._src.interpreters.mlir")
 
 
 def register_batching(prim, rule) -> None:

@@ -356,9 +356,34 @@ def partitioned_lowering(local_prim, rule, out_shardings, plan):
     def lower(ctx, *operands, **params):
         fn = _partitioned(local_prim, len(operands), rule, out_shardings, plan)
         key = tuple(sorted(params.items()))
-        return _compat.lower_fun(lambda *ops: fn(*ops, key), multiple_results=True)(ctx, *operands)
+        outs = _compat.lower_fun(lambda *ops: fn(*ops, key), multiple_results=True)(ctx, *operands)
+        _record_params(outs, f"{local_prim.name}{key!r}")
+        return outs
 
     return lower
+
+
+PARAMS_ATTRIBUTE = "fa4_jax.params"
+
+
+def _record_params(outs, text: str) -> None:
+    """Write the primitive's params into the partitioned custom call as a frontend attribute.
+
+    Under SPMD partitioning the call's params live only in the Python partition callback, whose
+    address (backend_config) differs in every process, so jax's persistent-cache key changes each
+    run. jax can drop that address from the key (jax_remove_custom_partitioning_ptr_from_cache_key),
+    which is only safe if two calls that differ in params differ in their HLO: this attribute makes
+    them differ. Nothing reads it back. On one device or in shard_map no such call exists (inlined)."""
+    ir = _compat.mlir_ir
+    first = outs[0] if outs else None
+    first = first[0] if isinstance(first, (list, tuple)) else first
+    op = getattr(first, "owner", None)
+    if op is None or getattr(op, "name", "") != "stablehlo.custom_call":
+        return
+    target = op.attributes["call_target_name"]
+    if ir.StringAttr(target).value != "CustomSPMDPartitioning":
+        return
+    op.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get({PARAMS_ATTRIBUTE: ir.StringAttr.get(text)})
 
 
 def register(outer_prim, local_prim, rule, out_shardings, plan) -> None:

@@ -79,17 +79,28 @@ def test_unsupported_shardings_are_gathered(cases, case):
     assert c["collectives"] and all(op == "all-gather" for op, _ in c["collectives"]), c
 
 
-def test_shard_map_program_hits_the_persistent_cache(tmp_path):
-    """Two processes compiling the same shard_map program share one persistent-cache entry: inside
-    shard_map custom_partitioning is inlined, so no per-process callback address reaches the cache
-    key. (A jit-partitioned program embeds one; jax's jax_remove_custom_partitioning_ptr_from_cache_key
-    would drop it, but the primitive's parameters live in that callback, so two calls differing only
-    in, e.g., softmax_scale would share a key: we leave it off. See README, Sharding.)"""
+def _cache_runs(tmp_path, mode: str) -> list[list[str]]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    runs = [subprocess.run([sys.executable, str(HERE / "cache_key_case.py"), str(tmp_path)], env=env,
+    runs = [subprocess.run([sys.executable, str(HERE / "cache_key_case.py"), str(tmp_path), mode], env=env,
                            capture_output=True, text=True, timeout=300) for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
-    first, second = (r.stdout.split() for r in runs)
+    return [r.stdout.split() for r in runs]
+
+
+def test_shard_map_program_hits_the_persistent_cache(tmp_path):
+    """Two processes compiling the same shard_map program share one persistent-cache entry: inside
+    shard_map custom_partitioning is inlined, so no per-process callback address reaches the key."""
+    first, second = _cache_runs(tmp_path, "shard_map")
     assert len(first) == 1 and first == second, (first, second)
+
+
+def test_partitioned_program_hits_the_persistent_cache(tmp_path):
+    """A jit-partitioned program embeds the partition callback's address, which changes per process;
+    with jax_remove_custom_partitioning_ptr_from_cache_key jax drops it from the key. That is safe for
+    fa4_jax because the call's params are written into the HLO (sharding.PARAMS_ATTRIBUTE): two
+    programs differing only in softmax_scale keep two entries, and the second process reads both back and
+    gets the right results (checked inside cache_key_case.py)."""
+    first, second = _cache_runs(tmp_path, "jit")
+    assert len(first) == 2 and first == second, (first, second)
