@@ -15,15 +15,21 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa4_jax
 
-COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^=]* (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)\(")
+# One HLO instruction that moves data between devices: `%x = SHAPE op(` on CPU, `op-start(` (async,
+# SHAPE a tuple) on GPU; a collective wrapped in an async computation is printed there as `op(`.
+COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) (all-gather|all-to-all|collective-permute|all-reduce|"
+                        r"reduce-scatter)(?:-start)?\(", re.MULTILINE)
+SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "pred": 1}
 
 
 def collectives(compiled_text: str):
+    """[op, bytes of its largest result] for every collective of a compiled program's HLO text."""
     out = []
     for m in COLLECTIVE.finditer(compiled_text):
-        dims = [int(x) for x in m.group(2).split(",") if x]
-        out.append([m.group(3), int(np.prod(dims or [1])) * BYTES.get(m.group(1), 4)])
+        sizes = [int(np.prod([int(x) for x in dims.split(",") if x] or [1])) * BYTES.get(t, 4)
+                 for t, dims in SHAPE.findall(m.group(1))]
+        out.append([m.group(2), max(sizes or [0])])
     return out
 
 
