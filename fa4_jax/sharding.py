@@ -153,18 +153,36 @@ def _fwd_partition(bind, params: dict, mesh, arg_shapes):
 # paged pools (pages, ps, hk, d) with page_table (b, mp); cache_seqlens (b); sinks ((hk g)).
 # Batch and heads as for dense attention (an unsplit paged pool is replicated: every batch shard may
 # read any page). Context parallelism: a contiguous cache sharded along its length, or a paged pool
-# sharded by pages (each device holding its own pages), runs attention of each device's queries
-# against its keys (contiguous: local lengths clip(len - start, 0, slice); paged: the row's local
-# pages compacted to the front) and merges the partial (o, lse) of all devices with one all-gather of
-# b x h x s_q x (d + 1) values and an LSE-weighted sum; the cache never moves. Exact without a mask,
-# and for causal decode (s_q = 1); windows and causal s_q > 1 gather the key axis first.
+# sharded by pages (each device holding its own pages); the cache never moves. With the queries at
+# positions len - s_q + i (bottom-right), the keys split in two:
+# - the "body" [0, len - T): visible to every query (T = 0 without a mask and for causal decode).
+#   Each device attends to its body keys with no mask (contiguous: local lengths
+#   clip(len - T - start, 0, slice); paged: the row's local pages compacted to the front) and the
+#   partial (o, lse) of all devices are all-gathered (b x h x s_q x (d + 1) values);
+# - the "tail" [len - T, len): the keys only some queries see (T = s_q - 1 - window_right for causal /
+#   right-windowed calls; with a left window every visible key, T = s_q + window_left, and no body).
+#   Every device assembles the tail from the devices holding it (one all-reduce of b x T x hk x d x 2
+#   values) and attends to it with the call's own mask, which stays exact because the tail ends at len.
+# The parts merge by their LSE (`merge_partials`). A left window at least as long as the cache gathers
+# the key axis first instead (the tail would be the whole cache).
 
 
-def _cp_allowed(params: dict, s_q: int) -> bool:
-    """Whether per-slice attention + merge is exact: every valid key of a sequence is visible to
-    every query (no mask), or decode with a causal mask (one query, at the last position)."""
-    causal = params["window_left"] < 0 and params["window_right"] == 0
-    return not _masked(params) or (causal and s_q == 1)
+def _tail_length(params: dict, s_q: int) -> int:
+    """T: how many of a row's last keys some query cannot see (the tail; 0 = every key is body)."""
+    left, right = params["window_left"], params["window_right"]
+    if left >= 0:
+        return s_q + left
+    return 0 if right < 0 else max(s_q - 1 - right, 0)
+
+
+def _cp_allowed(params: dict, s_q: int, capacity: int) -> bool:
+    """Whether a sharded key axis can stay sharded: always, unless a left window's tail (every key it
+    can see) would be the whole cache anyway."""
+    return params["window_left"] < 0 or _tail_length(params, s_q) < capacity
+
+
+def _capacity(params: dict, k_shape, table_shape) -> int:
+    return table_shape[1] * k_shape[1] if params["paged"] else k_shape[1]
 
 
 def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
@@ -178,7 +196,7 @@ def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     if params["has_sinks"]:
         operands.append(ArrayMapping(heads))
     results = (ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", heads, "sq"))
-    cp = _cp_allowed(params, q.shape[1])
+    cp = _cp_allowed(params, q.shape[1], _capacity(params, k.shape, value_types[4].shape if paged else None))
     replicate = ("sq",) if _masked(params) else ()
     if paged:
         replicate += ("d",) + (() if cp else ("pages",)) + ("ps", "mp")
@@ -196,7 +214,9 @@ def _kvcache_plan(params: dict, mesh, arg_shapes):
     h, kvh = _entry(q_axes), _entry(kv_axes)
     # The sharded key axis: a contiguous cache's length, or a paged pool's pages (device-local pages).
     split = k_batch_or_pages if params["paged"] else cap
-    cp_axes = tuple(a for a in _axes(split) if a not in _axes(b) + q_axes) if _cp_allowed(params, q.shape[1]) else ()
+    capacity = _capacity(params, k.shape, arg_shapes[4].shape if params["paged"] else None)
+    cp_axes = (tuple(a for a in _axes(split) if a not in _axes(b) + q_axes)
+               if _cp_allowed(params, q.shape[1], capacity) else ())
     if params["paged"]:
         cache = PartitionSpec(_entry(cp_axes), None, kvh, None)
     else:
@@ -245,24 +265,60 @@ def _local_pages(table, lens, first_page, num_pages: int, page_size: int):
     return local_table.astype(jnp.int32), jnp.where(keep, valid, 0).sum(axis=1).astype(jnp.int32)
 
 
+def _gather_tail(k, v, lens, table, tail: int, shard, axis):
+    """Every device's copy of each row's tail: keys [max(len - tail, 0), len) of the sharded cache
+    (b, tail, hk, d), zero past len. Each key lives on one device: the others add zeros (exact)."""
+    pos = jnp.maximum(lens - tail, 0)[:, None] + jnp.arange(tail, dtype=jnp.int32)[None, :]  # (b, tail)
+    if table is None:
+        local = pos - shard * k.shape[1]
+        rows = jnp.arange(k.shape[0])[:, None]
+        index = (rows, jnp.clip(local, 0, k.shape[1] - 1))
+        mine = (local >= 0) & (local < k.shape[1])
+    else:
+        num_pages, page_size = k.shape[0], k.shape[1]
+        slot = jnp.clip(pos // page_size, 0, table.shape[1] - 1)
+        page = jnp.take_along_axis(table, slot, axis=1) - shard * num_pages
+        index = (jnp.clip(page, 0, num_pages - 1), pos % page_size)
+        mine = (page >= 0) & (page < num_pages)
+    keep = (mine & (pos < lens[:, None]))[:, :, None, None]
+    return tuple(jax.lax.psum(jnp.where(keep, x[index], jnp.zeros((), x.dtype)), axis) for x in (k, v))
+
+
 def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
     arg_specs, out_specs, q_axes, kv_slice, cp_axes = _kvcache_plan(params, mesh, arg_shapes)
+    paged = params["paged"]
 
     def impl(q, k, v, lens, *rest):
         k, v = _slice_kv_heads(q_axes, kv_slice, k, v)
         if not cp_axes:
             return bind(q, k, v, lens, *rest, **params)
+        axis = _entry(cp_axes)
         sinks = rest[-1] if params["has_sinks"] else None
-        shard = jax.lax.axis_index(_entry(cp_axes))
-        if params["paged"]:
-            table, local = _local_pages(rest[0], lens, shard * k.shape[0], k.shape[0], k.shape[1])
-            o, lse = bind(q, k, v, local, table, **dict(params, has_sinks=False))
-        else:
-            local = jnp.clip(lens - shard * k.shape[1], 0, k.shape[1]).astype(jnp.int32)
-            o, lse = bind(q, k, v, local, **dict(params, has_sinks=False))
-        o_all = jax.lax.all_gather(o, _entry(cp_axes))
-        lse_all = jax.lax.all_gather(lse, _entry(cp_axes))
-        return merge_partials(o_all, lse_all, sinks)
+        table = rest[0] if paged else None
+        shard = jax.lax.axis_index(axis)
+        # Keys past the capacity do not exist (the kernel clamps lengths the same way).
+        lens = jnp.clip(lens, 0, table.shape[1] * k.shape[1] if paged else k.shape[1] * _axes_size(mesh, cp_axes))
+        tail = _tail_length(params, q.shape[1])
+        parts = []
+        if params["window_left"] < 0:  # the body [0, len - tail): every query sees all of it
+            body = dict(params, has_sinks=False, window_left=-1, window_right=-1)
+            body_lens = lens - jnp.minimum(lens, tail)
+            if paged:
+                local_table, local = _local_pages(table, body_lens, shard * k.shape[0], k.shape[0], k.shape[1])
+                o, lse = bind(q, k, v, local, local_table, **body)
+            else:
+                local = jnp.clip(body_lens - shard * k.shape[1], 0, k.shape[1]).astype(jnp.int32)
+                o, lse = bind(q, k, v, local, **body)
+            parts.append((jax.lax.all_gather(o, axis), jax.lax.all_gather(lse, axis)))
+        if tail:  # the tail, with the call's own mask (it ends at len, so bottom-right alignment holds)
+            tk, tv = _gather_tail(k, v, lens, table, tail, shard, axis)
+            tail_lens = jnp.minimum(lens, tail).astype(jnp.int32)
+            if not parts:  # a left window: the tail is every visible key, the result itself
+                return bind(q, tk, tv, tail_lens, *rest[1 if paged else 0:], **dict(params, paged=False))
+            o, lse = bind(q, tk, tv, tail_lens, **dict(params, paged=False, has_sinks=False))
+            parts.append((o[None], lse[None]))
+        return merge_partials(jnp.concatenate([o for o, _ in parts]), jnp.concatenate([lse for _, lse in parts]),
+                              sinks)
 
     return impl, _shardings(mesh, arg_specs), _shardings(mesh, out_specs)
 

@@ -50,7 +50,7 @@ def run(name, mesh, q_spec, kv_spec, *, h_q=8, h_k=8, s=64, d=64, sink_spec=None
     run_fn(name, mesh, f, (q, k, v, sinks), (q_spec, kv_spec, kv_spec, sink_spec or P()))
 
 
-def run_fn(name, mesh, f, arrays, specs, *, cache_bytes=0, partial_bytes=0):
+def run_fn(name, mesh, f, arrays, specs, *, cache_bytes=0, partial_bytes=0, tail_bytes=0):
     """f(*arrays) -> (o, lse) on sharded arrays vs unsharded; reports collectives."""
     want = jax.jit(f)(*arrays)
     args = tuple(jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip(arrays, specs))
@@ -67,6 +67,7 @@ def run_fn(name, mesh, f, arrays, specs, *, cache_bytes=0, partial_bytes=0):
         collectives=collectives(text),
         out_spec=str(got[0].sharding.spec),
         q_bytes=int(arrays[0].size * 2), cache_bytes=int(cache_bytes), partial_bytes=int(partial_bytes),
+        tail_bytes=int(tail_bytes),
     )), flush=True)
 
 
@@ -92,9 +93,21 @@ def kvcache_cases(m24, m8):
            cache_bytes=cache_bytes, partial_bytes=partial)
     run_fn("kv_cp_decode_batch", m24, kv(), (q1, kc, vc, lens), (P("data"), P("data", "model"), P("data", "model"),
                                                                   P("data")), cache_bytes=cache_bytes, partial_bytes=partial)
-    # A window needs absolute key positions on every slice: the cache length is gathered first.
-    run_fn("kv_window_replicates_cache", m8, kv(window_size=(40, 0)), (q1, kc, vc, lens),
-           (P(), P(None, "x"), P(None, "x"), P()))
+    # Masks with s_q > 1 and windows: the keys every query sees stay where they are; the tail (the last
+    # keys only some queries see, or a left window's keys) is assembled by one all-reduce.
+    cp = (P(), P(None, "x"), P(None, "x"), P())
+    tail = lambda t: b * t * h_k * d * 2  # noqa: E731  (bf16 bytes of one of K/V's tails)
+    run_fn("kv_cp_causal_chunk", m8, kv(causal=True), (q3, kc, vc, lens, sinks), cp + (P(),),
+           cache_bytes=cache_bytes, partial_bytes=b * h_q * 3 * (d + 1) * 4, tail_bytes=tail(2))
+    run_fn("kv_cp_window_right", m8, kv(window_size=(-1, 1)), (q3, kc, vc, jnp.array([2, 40, 97, 250], jnp.int32)),
+           cp, cache_bytes=cache_bytes, partial_bytes=b * h_q * 3 * (d + 1) * 4, tail_bytes=tail(1))
+    run_fn("kv_cp_sliding_window", m8, kv(window_size=(40, 0)), (q1, kc, vc, lens), cp,
+           cache_bytes=cache_bytes, tail_bytes=tail(41))
+    run_fn("kv_cp_sliding_window_chunk_sinks", m8, kv(causal=True, window_size=(20, -1)),
+           (q3, kc, vc, jnp.array([2, 33, 64, 200], jnp.int32), sinks), cp + (P(),), cache_bytes=cache_bytes,
+           tail_bytes=tail(23))
+    # A left window longer than the cache: its tail would be the whole cache, so the key axis is gathered.
+    run_fn("kv_window_covers_cache_gathered", m8, kv(window_size=(300, 0)), (q1, kc, vc, lens), cp)
     # Paged: batch sharded, the pool replicated (every row may point at any page).
     ps, n_pages = 16, 70
     pool_k, pool_v = bf(ks[1], (n_pages, ps, h_k, d)), bf(ks[2], (n_pages, ps, h_k, d))
@@ -113,6 +126,12 @@ def kvcache_cases(m24, m8):
                                                                     return_lse=True, implementation="xla")
     run_fn("kv_cp_paged_full_sinks", m8, full, (q3, pool_k8, pool_v8, lens8, table8, sinks),
            (P(), P("x"), P("x"), P(), P(), P()), cache_bytes=pool_k8.size * 2, partial_bytes=b * h_q * 3 * (d + 1) * 4)
+    run_fn("kv_cp_paged_causal_chunk", m8, paged, (q3, pool_k8, pool_v8, lens8, table8), (P(), P("x"), P("x"), P(), P()),
+           cache_bytes=pool_k8.size * 2, partial_bytes=b * h_q * 3 * (d + 1) * 4, tail_bytes=b * 2 * h_k * d * 2)
+    window = lambda q, k, v, n, t: fa4_jax.attention_with_kvcache(q, k, v, n, page_table=t, window_size=(30, 0),  # noqa: E731
+                                                                  return_lse=True, implementation="xla")
+    run_fn("kv_cp_paged_sliding_window", m8, window, (q1, pool_k8, pool_v8, lens8, table8),
+           (P(), P("x"), P("x"), P(), P()), cache_bytes=pool_k8.size * 2, tail_bytes=b * 31 * h_k * d * 2)
 
 
 def varlen_cases(m24):

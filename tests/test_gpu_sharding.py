@@ -127,10 +127,10 @@ def test_varlen_heads_sharded(mesh):
 # KV-cache decode: batch sharding and context parallelism (contiguous and paged)
 
 
-def kv_oracle(q, k_rows, v_rows, *, d, causal, sinks=None):
+def kv_oracle(q, k_rows, v_rows, *, d, sinks=None, **opts):
     """The fp32 oracle per batch row; k_rows[i] holds row i's valid keys."""
-    outs = [attention_oracle(q[i:i + 1], k[None], v[None], softmax_scale=d ** -0.5, causal=causal, sinks=sinks,
-                             xp=jnp) for i, (k, v) in enumerate(zip(k_rows, v_rows))]
+    outs = [attention_oracle(q[i:i + 1], k[None], v[None], softmax_scale=d ** -0.5, sinks=sinks, xp=jnp, **opts)
+            for i, (k, v) in enumerate(zip(k_rows, v_rows))]
     return jnp.concatenate([o for o, _ in outs]), jnp.concatenate([lse for _, lse in outs])
 
 
@@ -144,44 +144,65 @@ def kvcache_fn(**opts):
     return f
 
 
-@pytest.mark.parametrize("s_q,causal,use_sinks", [(1, True, True), (1, False, False), (5, False, True)])
-def test_kvcache_context_parallel_contiguous(mesh, s_q, causal, use_sinks):
+CP_CASES = {
+    # name: (s_q, options, sinks, bytes of the keys all-reduced per K/V: the tail, 0 = none)
+    "decode_causal_sinks": (1, dict(causal=True), True, 0),
+    "decode_full": (1, dict(), False, 0),
+    "chunk_full_sinks": (5, dict(), True, 0),
+    # speculative decode / chunked prefill: the last s_q - 1 keys are a tail all-reduced to every device
+    "chunk_causal": (4, dict(causal=True), False, 3),
+    # a sliding window: only its keys (s_q + left) are assembled, the rest of the cache is never read
+    "decode_sliding_window_sinks": (1, dict(window_size=(1000, 0)), True, 1001),
+}
+
+
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_kvcache_context_parallel_contiguous(mesh, case):
     """The cache split along its length over two GPUs; row 0 lives entirely on the first device (the
     second's slice is empty: lse -inf there), row 1 spans both, row 2 is empty everywhere."""
-    rng = np.random.default_rng(11 + s_q)
+    s_q, opts, use_sinks, tail = CP_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
     b, cap, h_q, h_k, d = 3, 8192, 32, 8, 128
     q, kc, vc = bf16(rng, b, s_q, h_q, d), bf16(rng, b, cap, h_k, d), bf16(rng, b, cap, h_k, d)
     lens = jnp.array([1000, 8000, 0], jnp.int32)
     sinks = jnp.asarray(make_sinks(5, h_q))
-    f = kvcache_fn(causal=causal, sinks=use_sinks)
+    f = kvcache_fn(sinks=use_sinks, **opts)
     arrays = (q, kc, vc, lens) + ((sinks,) if use_sinks else ())
     specs = (P(), P(None, "x"), P(None, "x"), P()) + ((P(),) if use_sinks else ())
     got, _, coll = run_sharded(mesh, f, arrays, specs)
-    cache_bytes = kc.size * 2
     partial_bytes = 2 * b * s_q * h_q * (d + 1) * 4
-    assert coll and all(op == "all-gather" and n <= partial_bytes for op, n in coll), (coll, partial_bytes, cache_bytes)
+    tail_bytes = 2 * b * tail * h_k * d * 2
+    for op, n in coll:
+        assert (op == "all-gather" and n <= partial_bytes) or (op == "all-reduce" and n <= tail_bytes), (case, coll)
+    assert coll and any(op == "all-reduce" for op, _ in coll) == bool(tail), (case, coll)
     xla = f(*arrays, implementation="xla")
     ref = kv_oracle(q, [kc[i, :n] for i, n in enumerate(lens.tolist())], [vc[i, :n] for i, n in enumerate(lens.tolist())],
-                    d=d, causal=causal, sinks=sinks if use_sinks else None)
-    check_against_reference(got, xla, ref, what=f"context-parallel decode s_q={s_q} causal={causal}")
+                    d=d, sinks=sinks if use_sinks else None, **opts)
+    check_against_reference(got, xla, ref, what=f"context-parallel {case}")
 
 
-def test_kvcache_context_parallel_paged(mesh):
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_kvcache_context_parallel_paged(mesh, s_q):
     """A page pool split by pages over two GPUs (pages 0..31 on the first, 32..63 on the second), the
-    rows' pages scattered over both, the last page of each row partly filled."""
-    rng = np.random.default_rng(21)
+    rows' pages scattered over both, the last page of each row partly filled; causal, so s_q 3 also
+    all-reduces each row's last two keys."""
+    rng = np.random.default_rng(21 + s_q)
     b, h_q, h_k, d, ps, n_pages, max_pages = 3, 16, 2, 128, 64, 64, 20
-    q = bf16(rng, b, 1, h_q, d)
+    q = bf16(rng, b, s_q, h_q, d)
     kp, vp = bf16(rng, n_pages, ps, h_k, d), bf16(rng, n_pages, ps, h_k, d)
     table = jnp.asarray(rng.permutation(n_pages)[: b * max_pages].reshape(b, max_pages), jnp.int32)
     lens = jnp.array([1, 700, 20 * 64 - 9], jnp.int32)
     f = kvcache_fn(causal=True, paged=True)
     got, _, coll = run_sharded(mesh, f, (q, kp, vp, lens, table), (P(), P("x"), P("x"), P(), P()))
-    partial_bytes = 2 * b * h_q * (d + 1) * 4
-    assert coll and all(op == "all-gather" and n <= partial_bytes for op, n in coll), coll
+    partial_bytes = 2 * b * s_q * h_q * (d + 1) * 4
+    tail_bytes = 2 * b * (s_q - 1) * h_k * d * 2
+    for op, n in coll:
+        assert (op == "all-gather" and n <= partial_bytes) or (op == "all-reduce" and n <= tail_bytes), coll
+    assert coll and any(op == "all-reduce" for op, _ in coll) == (s_q > 1), coll
     xla = f(q, kp, vp, lens, table, implementation="xla")
     rows = lambda pool: [pool[table[i]].reshape(-1, h_k, d)[:n] for i, n in enumerate(lens.tolist())]  # noqa: E731
-    check_against_reference(got, xla, kv_oracle(q, rows(kp), rows(vp), d=d, causal=True), what="paged context-parallel")
+    check_against_reference(got, xla, kv_oracle(q, rows(kp), rows(vp), d=d, causal=True),
+                            what=f"paged context-parallel s_q={s_q}")
 
 
 def test_kvcache_batch_and_heads_sharded(mesh):

@@ -19,8 +19,11 @@ HERE = Path(__file__).resolve().parent
 NO_COLLECTIVE = ["batch", "heads", "batch_heads", "gqa_heads_divide_kv", "gqa_more_shards_than_kv", "mqa_8_shards",
                  "sinks_heads", "qseq_noncausal", "window", "shard_map", "kv_batch", "kv_batch_heads", "kv_paged_batch",
                  "varlen_heads", "vmap_batch", "export_shard_map"]
-GATHERED = ["qseq_causal_replicated", "head_dim_replicated", "kv_window_replicates_cache", "varlen_tokens_replicated"]
-CONTEXT_PARALLEL = ["kv_cp_decode", "kv_cp_decode_batch", "kv_cp_paged_decode", "kv_cp_paged_full_sinks"]
+GATHERED = ["qseq_causal_replicated", "head_dim_replicated", "kv_window_covers_cache_gathered",
+            "varlen_tokens_replicated"]
+CONTEXT_PARALLEL = ["kv_cp_decode", "kv_cp_decode_batch", "kv_cp_paged_decode", "kv_cp_paged_full_sinks",
+                    "kv_cp_causal_chunk", "kv_cp_window_right", "kv_cp_sliding_window", "kv_cp_sliding_window_chunk_sinks",
+                    "kv_cp_paged_causal_chunk", "kv_cp_paged_sliding_window"]
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +51,20 @@ def test_sharded_equals_unsharded(cases, case):
 
 
 @pytest.mark.parametrize("case", CONTEXT_PARALLEL)
-def test_context_parallel_decode_gathers_only_partials(cases, case):
-    """A cache sharded along its length: only the (o, lse) partials move (all-gathers of at most
-    devices x b x h x s_q x (d + 1) float32 values), never the cache."""
+def test_context_parallel_moves_only_partials_and_tails(cases, case):
+    """A cache sharded along its length (or a pool by pages) never moves: only all-gathers of the
+    (o, lse) partials (at most devices x b x h x s_q x (d + 1) float32 values in all) and, where some
+    keys are visible to only some queries (s_q > 1 with a causal/right mask, or a left window), one
+    all-reduce per K/V of those tail keys (b x tail x hk x d)."""
     c = cases[case]
     ops = c["collectives"]
-    assert ops and all(op == "all-gather" for op, _ in ops), c
-    assert sum(n for _, n in ops) <= 8 * c["partial_bytes"], c
+    gathers = [n for op, n in ops if op == "all-gather"]
+    reduces = [n for op, n in ops if op == "all-reduce"]
+    assert ops and len(gathers) + len(reduces) == len(ops), c
+    assert sum(gathers) <= 8 * c["partial_bytes"], c
+    # K and V's bf16 tails, one all-reduce each or one of both; XLA:CPU widens bf16 reductions to f32.
+    assert len(reduces) <= 2 and all(n <= 2 * c["tail_bytes"] for n in reduces), c
+    assert bool(reduces) == bool(c["tail_bytes"]), c
     assert max(n for _, n in ops) < c["cache_bytes"], c  # no gather of a whole cache
 
 
@@ -71,10 +81,10 @@ def test_causal_query_sequence_is_gathered_once(cases):
     assert sum(n for _, n in c["collectives"]) <= 2 * c["q_bytes"], c
 
 
-@pytest.mark.parametrize("case", ["head_dim_replicated", "kv_window_replicates_cache", "varlen_tokens_replicated"])
+@pytest.mark.parametrize("case", ["head_dim_replicated", "kv_window_covers_cache_gathered", "varlen_tokens_replicated"])
 def test_unsupported_shardings_are_gathered(cases, case):
-    """head_dim, a windowed call's cache length and varlen token axes are all-gathered first (the
-    documented reshard), and the result is still exact."""
+    """head_dim, the cache of a call whose left window spans the whole cache, and varlen token axes
+    are all-gathered first (the documented reshard), and the result is still exact."""
     c = cases[case]
     assert c["collectives"] and all(op == "all-gather" for op, _ in c["collectives"]), c
 
