@@ -71,6 +71,22 @@ def unavailable_reason(make_variant: Callable[[str], object], device=None) -> st
     if reason is not None:
         return reason
     variant = make_variant(device_arch(device))
+    reason = _variant_reason(variant)
+    if reason is not None:
+        return reason
+    from fa4_jax import _ffi
+
+    if not _ffi.register_targets():
+        return f"registering the FFI targets failed: {_ffi.library_status()}"
+    ordinal = getattr(device, "local_hardware_id", None)
+    problem = _ffi.prepare_variant(variant, device.id if ordinal is None else ordinal)
+    if problem is not None:
+        return f"the kernel {variant.symbol} does not load on {device.device_kind} (device {device.id}): {problem}"
+    return None
+
+
+def _variant_reason(variant) -> str | None:
+    """None when the kernel library holds `variant`, else why not."""
     try:
         from fa4_jax import _ffi
     except ImportError as e:
@@ -85,10 +101,25 @@ def unavailable_reason(make_variant: Callable[[str], object], device=None) -> st
             f"{', '.join(same_family)}). Rebuild with that variant in FA4_JAX_VARIANTS (unset means the "
             f"full default menu). {_BUILD_HINT}"
         )
-    if not _ffi.register_targets():
-        return f"registering the FFI targets failed: {_ffi.library_status()}"
-    ordinal = getattr(device, "local_hardware_id", None)
-    problem = _ffi.prepare_variant(variant, device.id if ordinal is None else ordinal)
-    if problem is not None:
-        return f"the kernel {variant.symbol} does not load on {device.device_kind} (device {device.id}): {problem}"
     return None
+
+
+def library_reason(make_variant: Callable[[str], object]) -> str | None:
+    """None when the kernel library holds `make_variant(arch)` for an architecture it ships: what a
+    program can be built with when its target GPU is not known (e.g. exported from a CPU host)."""
+    reasons = [_variant_reason(make_variant(arch)) for arch in sorted(shipped_arches())]
+    return None if None in reasons else reasons[0]
+
+
+def lowering_reason(make_variant: Callable[[str], object], devices) -> str | None:
+    """None when a program lowered for CUDA onto `devices` can use the kernel `make_variant(arch)`.
+
+    GPUs among `devices` (jax.jit on this host) must each run it (unavailable_reason). Without
+    GPUs (jax.export, or exporting for CUDA from a CPU host, whose devices are CPUs) only the library
+    is asked; the FFI handler checks the device when the program runs."""
+    gpus = [d for d in devices if getattr(d, "platform", None) == "gpu"]
+    for device in gpus:
+        reason = unavailable_reason(make_variant, device)
+        if reason is not None:
+            return reason
+    return None if gpus else library_reason(make_variant)

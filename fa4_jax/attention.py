@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from fa4_jax import _platform
-from fa4_jax._validation import check_flag, check_options, check_qkv, dtype_tag
-from fa4_jax.families import FwdVariant, mask_kind
-from fa4_jax.primitive import fa4_fwd_p
+from fa4_jax._validation import check_flag, check_options, check_qkv
+from fa4_jax.primitive import fa4_fwd_p, kernel_variant
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "return_lse", "implementation")
 
@@ -32,9 +31,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         no value row (gpt-oss attention sinks); may be a traced array. LSE includes the sink term.
       return_lse: also return the log-sum-exp of the (scaled, capped) scores, float32
         (batch, heads_q, seqlen_q), natural log.
-      implementation: None picks "fa4" when the default device is an sm_90 GPU on which the built
-        kernel library has (and loads) the variant, else "xla". "fa4" demands the kernel and raises
-        if it cannot run here; "xla" is the exact pure-JAX reference (float32 softmax).
+      implementation: None runs the kernel where it can (decided per platform when the program is
+        lowered: on CUDA when the GPU is a Hopper and the built kernel library has and loads the
+        variant; the reference elsewhere, so one traced program also exports for several platforms).
+        "fa4" demands the kernel and raises if it cannot run here (at the call on a GPU host,
+        otherwise when the program is lowered for a platform without it); "xla" is the exact
+        pure-JAX reference (float32 softmax).
 
     A query row with no visible key returns o = 0 and lse = -inf (with sinks: lse = its sink logit).
 
@@ -52,11 +54,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[2], head_dim=head_dim)
     left, right = _trim_window(*window, q.shape[1], k.shape[1])
     # Everything is validated before the device/library probe, so a bad argument is reported as such.
-    variant = lambda arch: FwdVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0)  # noqa: E731
-    implementation = resolve_implementation(implementation, variant)
+    params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None)
+    implementation = resolve_implementation(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params))
     operands = (q, k, v) if sinks is None else (q, k, v, sinks)
-    o, lse = fa4_fwd_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
-                            has_sinks=sinks is not None, implementation=implementation)
+    o, lse = fa4_fwd_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
 
 
@@ -75,18 +76,27 @@ def _trim_window(left: int, right: int, s_q, s_k) -> tuple[int, int]:
 
 
 def resolve_implementation(implementation, variant) -> str:
-    """Maps the user's choice to "fa4" or "xla". `variant(arch)` is the kernel the call needs; for
-    "fa4" it is also loaded on the device (see fa4_jax._platform)."""
+    """Maps the user's choice to the primitive's param: "xla", "fa4" or "auto" (None).
+
+    "auto" is decided per platform when the program is lowered (fa4_jax/lowering.py), so a program
+    traced on a CPU host and exported for CUDA carries the kernel. "fa4" is checked now as far as it
+    can be: on a GPU default device everything (device, library, module load: see fa4_jax._platform),
+    elsewhere (tracing for export) that the library holds the kernel `variant(arch)`; lowering it for
+    a platform without the kernel raises."""
     if implementation == "xla":
         return "xla"
-    if implementation not in (None, "fa4"):
+    if implementation is None:
+        return "auto"
+    if implementation != "fa4":
         raise ValueError(f'implementation must be None, "fa4" or "xla"; got {implementation=}')
-    reason = _platform.unavailable_reason(variant)
-    if reason is None:
-        return "fa4"
-    if implementation == "fa4":
+    device = _platform.default_device()
+    if getattr(device, "platform", None) == "gpu":
+        reason = _platform.unavailable_reason(variant, device)
+    else:
+        reason = _platform.library_reason(variant)
+    if reason is not None:
         raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
-    return "xla"
+    return "fa4"
 
 
 def resolve_with_head_dims(implementation, variant, head_dim: int, kernel_head_dims: tuple, entry_point: str) -> str:

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options, dtype_tag
+from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
 from fa4_jax.attention import _trim_window, resolve_with_head_dims
-from fa4_jax.families import KVCacheVariant, mask_kind
 from fa4_jax.families.kvcache import HEAD_DIMS as KVCACHE_HEAD_DIMS
-from fa4_jax.primitive_kvcache import fa4_kvcache_p
+from fa4_jax.primitive_kvcache import fa4_kvcache_p, kernel_variant
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
 
@@ -60,13 +59,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
     capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
     left, right = _trim_window(*window, q.shape[1], capacity)
     head_dim = q.shape[-1]
-    variant = lambda arch: KVCacheVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0,  # noqa: E731
-                                          paged)
-    implementation = resolve_with_head_dims(implementation, variant, head_dim, KVCACHE_HEAD_DIMS, "KV-cache")
+    params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
+                  paged=paged, num_splits=num_splits or 0)
+    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            head_dim, KVCACHE_HEAD_DIMS, "KV-cache")
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
-    o, lse = fa4_kvcache_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
-                                has_sinks=sinks is not None, paged=paged, num_splits=num_splits or 0,
-                                implementation=implementation)
+    o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
 
 

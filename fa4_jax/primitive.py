@@ -4,9 +4,8 @@ Operands: q, k, v and, when has_sinks, sinks (heads_q,) float32.
 Params: softmax_scale (float), window_left / window_right (ints, causal folded in: causal is
 (-1, 0)), softcap (float, 0 = off), has_sinks (bool), implementation ("fa4" | "xla").
 Lowering: through the sharding rule (fa4_jax/sharding.py) into the per-shard primitive
-`fa4_fwd_local`, which lowers on CUDA with implementation="fa4" to a typed-FFI custom call to the
-AOT-built kernel library, everywhere else (CPU, or "xla") to the pure-JAX reference, so a function
-traced for the kernel still runs if it ends up compiled for another platform.
+`fa4_fwd_local`, which lowers (fa4_jax/lowering.py, per platform) to a typed-FFI custom call to the
+AOT-built kernel library on CUDA when the kernel can serve the call, else to the pure-JAX reference.
 The primitive is inference-only: JVP and transpose raise.
 """
 
@@ -27,8 +26,10 @@ from fa4_jax._validation import (
     check_softcap,
     check_softmax_scale,
     check_window,
+    dtype_tag,
 )
-from fa4_jax.families import FWD
+from fa4_jax.families import FWD, FwdVariant, mask_kind
+from fa4_jax.lowering import register_local_lowerings
 from fa4_jax.reference import attention_reference
 
 fa4_fwd_p = _compat.Primitive("fa4_fwd")
@@ -110,7 +111,10 @@ def _reference(q, k, v, *sinks, softmax_scale, window_left, window_right, softca
                                softcap=softcap, sinks=sinks[0] if sinks else None)
 
 
-_reference_lowering = _compat.lower_fun(_reference, multiple_results=True)
+def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> FwdVariant:
+    """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
+    return FwdVariant(arch, dtype_tag(dtype), head_dim, mask_kind(params["window_left"], params["window_right"]),
+                      params["softcap"] > 0)
 
 
 def _kernel_call(q, k, v, *sinks, softmax_scale, window_left, window_right, softcap, has_sinks, implementation):
@@ -127,20 +131,15 @@ def _kernel_call(q, k, v, *sinks, softmax_scale, window_left, window_right, soft
                 window_left=np.int32(window_left), window_right=np.int32(window_right))
 
 
-_kernel_lowering = _compat.lower_fun(_kernel_call, multiple_results=True)
+def _is_empty(avals, params) -> bool:
+    """No batch, no query or no key: the reference answers (empty outputs, or rows that see no key)."""
+    q, k = avals[0], avals[1]
+    return any(isinstance(d, int) and d == 0 for d in (q.shape[0], q.shape[1], k.shape[1]))
 
 
-def _cuda_lowering(ctx, *operands, **params):
-    q, k = ctx.avals_in[0], ctx.avals_in[1]
-    # Zero-size problems never reach the kernel: empty outputs, or rows that see no key.
-    empty = any(isinstance(d, int) and d == 0 for d in (q.shape[0], q.shape[1], k.shape[1]))
-    if params["implementation"] != "fa4" or empty:
-        return _reference_lowering(ctx, *operands, **params)
-    return _kernel_lowering(ctx, *operands, **params)
-
-
-_compat.register_lowering(fa4_fwd_local_p, _reference_lowering)
-_compat.register_lowering(fa4_fwd_local_p, _cuda_lowering, platform="cuda")
+register_local_lowerings(fa4_fwd_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
+                         variant=lambda arch, avals, params: kernel_variant(arch, avals[0].dtype, avals[0].shape[-1],
+                                                                            params))
 sharding.register(fa4_fwd_p, fa4_fwd_local_p, *sharding.fwd_rules)
 
 

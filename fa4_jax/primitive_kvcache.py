@@ -3,9 +3,10 @@
 Operands: q, k_cache, v_cache, cache_seqlens, then page_table when `paged`, then sinks when
 `has_sinks`. Params: softmax_scale, window_left / window_right (causal folded in), softcap,
 has_sinks, paged, num_splits (0 = the handler picks from the SM count), implementation.
-Lowering: on CUDA with implementation="fa4" a typed-FFI custom call (ffi/kvcache.cc) whose extra
-float32 results are the split-KV workspace, sized here (fa4_jax.families.kvcache); elsewhere the
-pure-JAX reference. vmap: one kernel launch (see _batch_rule). Inference only.
+Lowering (fa4_jax/lowering.py, per platform): on CUDA, when the kernel can serve the call, a
+typed-FFI custom call (ffi/kvcache.cc) whose extra float32 results are the split-KV workspace, sized
+here (fa4_jax.families.kvcache); otherwise the pure-JAX reference. vmap: one kernel launch (see
+_batch_rule). Inference only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import _compat, sharding
+from fa4_jax._validation import dtype_tag
+from fa4_jax.families import KVCacheVariant, mask_kind
 from fa4_jax.families.kvcache import KVCACHE, auto_split_capacity
+from fa4_jax.lowering import register_local_lowerings
 from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_with_kvcache_reference
 
@@ -61,9 +65,6 @@ def _reference(*operands, softmax_scale, window_left, window_right, softcap, has
                                             window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
 
 
-_reference_lowering = _compat.lower_fun(_reference, multiple_results=True)
-
-
 def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
     """The split workspace's extent: the forced count, or what num_splits=None may pick."""
     if num_splits:
@@ -72,6 +73,12 @@ def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
     h_k = k_shape[2]
     keys = k_shape[1] * (page_table_shape[1] if page_table_shape is not None else 1)
     return auto_split_capacity(b, h_k, s_q * (h_q // h_k), keys)
+
+
+def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVariant:
+    """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
+    return KVCacheVariant(arch, dtype_tag(dtype), head_dim, mask_kind(params["window_left"], params["window_right"]),
+                          params["softcap"] > 0, params["paged"])
 
 
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, num_splits,
@@ -99,21 +106,16 @@ def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, h
     return o, lse
 
 
-_kernel_lowering = _compat.lower_fun(_kernel_call, multiple_results=True)
+def _is_empty(avals, params) -> bool:
+    """No batch, query, head, cache slot or page: the reference answers without a launch."""
+    q, k = avals[0], avals[1]
+    dims = (*q.shape, *k.shape, *(avals[4].shape if params["paged"] else ()))
+    return any(isinstance(x, int) and x == 0 for x in dims)
 
 
-def _cuda_lowering(ctx, *operands, **params):
-    q, k = ctx.avals_in[0], ctx.avals_in[1]
-    dims = (*q.shape, *k.shape, *(ctx.avals_in[4].shape if params["paged"] else ()))
-    # Zero-size problems (no batch, query, head, cache slot or page) never reach the kernel.
-    empty = any(isinstance(x, int) and x == 0 for x in dims)
-    if params["implementation"] != "fa4" or empty:
-        return _reference_lowering(ctx, *operands, **params)
-    return _kernel_lowering(ctx, *operands, **params)
-
-
-_compat.register_lowering(fa4_kvcache_local_p, _reference_lowering)
-_compat.register_lowering(fa4_kvcache_local_p, _cuda_lowering, platform="cuda")
+register_local_lowerings(fa4_kvcache_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
+                         variant=lambda arch, avals, params: kernel_variant(arch, avals[0].dtype, avals[0].shape[-1],
+                                                                            params))
 sharding.register(fa4_kvcache_p, fa4_kvcache_local_p, *sharding.kvcache_rules)
 
 

@@ -3,8 +3,8 @@
 Operands: q (total_q, h_q, d), k, v (total_k, h_k, d), cu_seqlens_q, cu_seqlens_k, then seqused_k
 when `has_seqused`, then sinks when `has_sinks`. Params: softmax_scale, window_left / window_right
 (causal folded in), softcap, has_seqused, has_sinks, max_seqlen_q (0 = unknown: total_q bounds it),
-implementation. Lowering: on CUDA with implementation="fa4" a typed-FFI custom call (ffi/varlen.cc);
-elsewhere the pure-JAX reference. vmap: one launch (see _batch_rule). Inference only.
+implementation. Lowering (fa4_jax/lowering.py, per platform): on CUDA, when the kernel can serve the call, a typed-FFI
+custom call (ffi/varlen.cc); otherwise the pure-JAX reference. vmap: one launch (see _batch_rule). Inference only.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax import _compat, sharding
+from fa4_jax._validation import dtype_tag
+from fa4_jax.families import VarlenVariant, mask_kind
 from fa4_jax.families.varlen import VARLEN
+from fa4_jax.lowering import register_local_lowerings
 from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_varlen_reference
 
@@ -55,7 +58,10 @@ def _reference(*operands, softmax_scale, window_left, window_right, softcap, has
                                       window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
 
 
-_reference_lowering = _compat.lower_fun(_reference, multiple_results=True)
+def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> VarlenVariant:
+    """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
+    return VarlenVariant(arch, dtype_tag(dtype), head_dim, mask_kind(params["window_left"], params["window_right"]),
+                         params["softcap"] > 0)
 
 
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
@@ -74,19 +80,15 @@ def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, h
                 max_seqlen_q=np.int32(min(max_seqlen_q, total_q) if max_seqlen_q else total_q))
 
 
-_kernel_lowering = _compat.lower_fun(_kernel_call, multiple_results=True)
+def _is_empty(avals, params) -> bool:
+    """No query, key, head or sequence: the reference answers without a launch."""
+    q, k, cu_q = avals[0], avals[1], avals[3]
+    return any(isinstance(x, int) and x == 0 for x in (*q.shape, *k.shape, cu_q.shape[0] - 1))
 
 
-def _cuda_lowering(ctx, *operands, **params):
-    q, k, cu_q = ctx.avals_in[0], ctx.avals_in[1], ctx.avals_in[3]
-    empty = any(isinstance(x, int) and x == 0 for x in (*q.shape, *k.shape, cu_q.shape[0] - 1))
-    if params["implementation"] != "fa4" or empty:
-        return _reference_lowering(ctx, *operands, **params)
-    return _kernel_lowering(ctx, *operands, **params)
-
-
-_compat.register_lowering(fa4_varlen_local_p, _reference_lowering)
-_compat.register_lowering(fa4_varlen_local_p, _cuda_lowering, platform="cuda")
+register_local_lowerings(fa4_varlen_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
+                         variant=lambda arch, avals, params: kernel_variant(arch, avals[0].dtype, avals[0].shape[-1],
+                                                                            params))
 sharding.register(fa4_varlen_p, fa4_varlen_local_p, *sharding.varlen_rules)
 
 

@@ -3,11 +3,10 @@ conventions: (total_tokens, heads, head_dim) tensors and int32 cumulative offset
 
 from __future__ import annotations
 
-from fa4_jax._validation import check_flag, check_options, check_varlen, dtype_tag
+from fa4_jax._validation import check_flag, check_options, check_varlen
 from fa4_jax.attention import _trim_window, resolve_with_head_dims
-from fa4_jax.families import VarlenVariant, mask_kind
 from fa4_jax.families.varlen import HEAD_DIMS as VARLEN_HEAD_DIMS
-from fa4_jax.primitive_varlen import fa4_varlen_p
+from fa4_jax.primitive_varlen import fa4_varlen_p, kernel_variant
 
 STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size", "softcap", "return_lse",
                    "implementation")
@@ -42,12 +41,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
     left, right = _trim_window(*window, q.shape[0], k.shape[0])
     head_dim = q.shape[-1]
-    variant = lambda arch: VarlenVariant(arch, dtype_tag(q.dtype), head_dim, mask_kind(left, right), cap > 0)  # noqa: E731
-    implementation = resolve_with_head_dims(implementation, variant, head_dim, VARLEN_HEAD_DIMS, "varlen")
+    params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
+                  has_seqused=seqused_k is not None, has_sinks=sinks is not None, max_seqlen_q=int(max_seqlen_q or 0))
+    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            head_dim, VARLEN_HEAD_DIMS, "varlen")
     operands = tuple(x for x in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks) if x is not None)
-    o, lse = fa4_varlen_p.bind(*operands, softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
-                               has_seqused=seqused_k is not None, has_sinks=sinks is not None,
-                               max_seqlen_q=int(max_seqlen_q or 0), implementation=implementation)
+    o, lse = fa4_varlen_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
 
 

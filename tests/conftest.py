@@ -48,3 +48,13 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=reason)
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_library(monkeypatch):
+    """Pretend the kernel library holds every variant, for tests of what the CUDA lowering emits
+    (they export for CUDA from this host, where the lowering asks only the library: see
+    fa4_jax/lowering.py). Without it those tests would depend on which variants a build has."""
+    from fa4_jax import _platform
+
+    monkeypatch.setattr(_platform, "library_reason", lambda make_variant: None)

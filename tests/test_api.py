@@ -376,7 +376,9 @@ def test_zero_size_inputs(b, s_q, s_k, with_sinks):
 # -- implementation choice ----------------------------------------------------------------------
 
 def test_fa4_on_cpu_raises_clear_error():
-    with pytest.raises(RuntimeError, match=r'implementation="fa4" cannot run here: .*not an NVIDIA Hopper GPU'):
+    # Traced fine (it could be exported for CUDA), but lowered for this CPU: the kernel cannot run.
+    with pytest.raises(RuntimeError, match=r'implementation="fa4" cannot run here: (the program is lowered for cpu, '
+                                           r'not an NVIDIA Hopper GPU|the kernel library)'):
         attention(*make_qkv(6), implementation="fa4")
 
 
@@ -384,7 +386,12 @@ def test_fa4_on_cpu_raises_clear_error():
 def test_cpu_runs_xla(implementation):
     q, k, v = make_qkv(7)
     (eqn,) = bound_primitives(functools.partial(attention, implementation=implementation), q, k, v)
-    assert eqn.params["implementation"] == "xla"
+    # None is decided per platform when lowering ("auto"): here, for the CPU, the reference.
+    assert eqn.params["implementation"] == ("auto" if implementation is None else "xla")
+    hlo = jax.jit(functools.partial(attention, implementation=implementation)).lower(q, k, v).compile().as_text()
+    assert "fa4_jax_" not in hlo  # no kernel call (FFI targets are named fa4_jax_<family>_v<N>)
+    want, _ = attention_reference(q, k, v, softmax_scale=1 / 8)
+    np.testing.assert_array_equal(f64(attention(q, k, v, implementation=implementation)), f64(want))
 
 
 class FakeDevice:
@@ -424,24 +431,26 @@ def hopper(monkeypatch):
     return install
 
 
+def falls_back(variant, device=None) -> bool:
+    """Whether implementation=None runs the reference when lowered for CUDA on `device` (the fake
+    H200 by default): the question fa4_jax.lowering asks fa4_jax._platform."""
+    return _platform.lowering_reason(variant, [device or FakeDevice()]) is not None
+
+
 def test_resolves_fa4_when_variant_built(hopper):
     calls = hopper(built=[FwdVariant("sm90", "bf16", 64, "causal", False)])
     q, k, v = make_qkv(8)
-    assert api.resolve_implementation(None, variant_fn(mask="causal")) == "fa4"
+    assert api.resolve_implementation(None, variant_fn(mask="causal")) == "auto"
+    assert not falls_back(variant_fn(mask="causal"))
     # Registered, then loaded on the device's CUDA ordinal, before the kernel is chosen.
     assert calls == ["register", ("prepare", "fa4_fwd_sm90_bf16_hd64_causal", 3)], calls
-    # Bound with "fa4", but compiled here for CPU: the platform-specific lowering falls back to the
-    # reference, so the result is still right.
-    (eqn,) = bound_primitives(functools.partial(attention, causal=True), q, k, v)
-    assert eqn.params["implementation"] == "fa4"
-    want, _ = attention_reference(q, k, v, causal=True, softmax_scale=1 / 8)
-    np.testing.assert_array_equal(f64(attention(q, k, v, causal=True)), f64(want))
+    assert api.resolve_implementation("fa4", variant_fn(mask="causal")) == "fa4"
 
 
 def test_missing_variant(hopper):
     hopper(built=[FwdVariant("sm90", "bf16", 64, "causal", False)])
     q, k, v = make_qkv(9)
-    assert api.resolve_implementation(None, variant_fn()) == "xla"
+    assert falls_back(variant_fn())
     message = (r"no variant fa4_fwd_sm90_bf16_hd64_full \(it has 1 of its family: fa4_fwd_sm90_bf16_hd64_causal\)\. "
                r"Rebuild with that variant in FA4_JAX_VARIANTS")
     with pytest.raises(RuntimeError, match=message):
@@ -464,7 +473,7 @@ def test_missing_variant(hopper):
 def test_library_problems(hopper, ffi_kwargs, message):
     hopper(**ffi_kwargs)
     q, k, v = make_qkv(10, d=128, dtype=jnp.float16)
-    assert api.resolve_implementation(None, variant_fn("fp16", 128)) == "xla"
+    assert falls_back(variant_fn("fp16", 128))
     with pytest.raises(RuntimeError, match=message):
         attention(q, k, v, implementation="fa4")
 
@@ -474,7 +483,7 @@ def test_module_load_failure_falls_back(hopper):
     # driver, an exclusive-process GPU): None must pick the XLA path, "fa4" must say why.
     calls = hopper(built=[FwdVariant("sm90", "bf16", 64, "full", False)], load_error="cudaErrorNoKernelImageForDevice")
     q, k, v = make_qkv(9)
-    assert api.resolve_implementation(None, variant_fn()) == "xla"
+    assert falls_back(variant_fn())
     with pytest.raises(RuntimeError, match=r"fa4_fwd_sm90_bf16_hd64_full does not load on NVIDIA H200 \(device 0\): cudaErrorNoKernelImageForDevice"):
         attention(q, k, v, implementation="fa4")
     assert ("prepare", "fa4_fwd_sm90_bf16_hd64_full", 3) in calls
@@ -483,7 +492,7 @@ def test_module_load_failure_falls_back(hopper):
 def test_non_hopper_gpu(monkeypatch):
     monkeypatch.setattr(_platform, "default_device", lambda: FakeDevice("8.0", "NVIDIA A100"))
     q, k, v = make_qkv(11)
-    assert api.resolve_implementation(None, variant_fn()) == "xla"
+    assert falls_back(variant_fn(), FakeDevice("8.0", "NVIDIA A100"))
     message = r"the default GPU \(NVIDIA A100\) has compute capability 8\.0; the fa4_jax kernels are built for 9\.0 \(Hopper\) only"
     with pytest.raises(RuntimeError, match=message):
         attention(q, k, v, implementation="fa4")
@@ -494,7 +503,7 @@ def test_missing_ffi_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "fa4_jax._ffi", None)  # makes the import raise ImportError
     monkeypatch.delattr(fa4_jax, "_ffi", raising=False)
     q, k, v = make_qkv(12)
-    assert api.resolve_implementation(None, variant_fn()) == "xla"
+    assert falls_back(variant_fn())
     with pytest.raises(RuntimeError, match=r"the FFI loader fa4_jax\._ffi cannot be imported"):
         attention(q, k, v, implementation="fa4")
 
@@ -528,7 +537,7 @@ def test_variant_reflects_mask_and_softcap(hopper, case):
     shape_kw, kwargs, symbol = VARIANTS[case]
     calls = hopper(built=default_menu())
     q, k, v = make_qkv(29, **{"s_q": 24, "s_k": 128, **shape_kw})
-    (eqn,) = bound_primitives(functools.partial(attention, **kwargs), q, k, v)
+    (eqn,) = bound_primitives(functools.partial(attention, implementation="fa4", **kwargs), q, k, v)
     assert calls == ["register", ("prepare", symbol, 3)], f"{calls=}"
     assert eqn.params["implementation"] == "fa4"
 

@@ -22,6 +22,9 @@ from fa4_jax.families import FWD
 from fa4_jax.primitive import fa4_fwd, fa4_fwd_p
 from oracle import attention_oracle
 
+# What the CUDA lowering emits must not depend on which variants this host's build has.
+pytestmark = pytest.mark.usefixtures("kernel_library")
+
 # The FFI ABI name: the C++ handler (ffi/fwd.cc) registers it and serialized exports name it, so a
 # change must be deliberate (a new version suffix), never a side effect. See test_target_is_the_v2_abi.
 TARGET = FWD.target
@@ -157,7 +160,7 @@ def test_export_requires_allowing_the_custom_call():
 
 @pytest.mark.parametrize(
     "implementation,platforms",
-    [("xla", ["cuda"]), ("fa4", ["cpu"]), ("xla", ["cpu"])],
+    [("xla", ["cuda"]), ("auto", ["cpu"]), ("xla", ["cpu"])],
 )
 def test_reference_lowering_has_no_custom_call(implementation, platforms):
     f = functools.partial(fa4_fwd, softmax_scale=0.1, window_left=-1, window_right=0, implementation=implementation)
@@ -173,7 +176,7 @@ def test_zero_size_never_reaches_the_kernel(b, s_q, s_k, with_sinks):
     # call), and the multi-platform artifact gives o = 0, lse = -inf / the sink when called here.
     q_spec, kv_spec, _ = specs(b=b, s_q=s_q, s_k=s_k, h_q=4, h_k=2, d=64)
     args = [q_spec, kv_spec, kv_spec] + ([jax.ShapeDtypeStruct((4,), jnp.float32)] if with_sinks else [])
-    f = lambda *a: fa4_fwd(*a, softmax_scale=0.1, window_left=3, window_right=0, implementation="fa4")
+    f = lambda *a: fa4_fwd(*a, softmax_scale=0.1, window_left=3, window_right=0, implementation="auto")
     _, text = export_text(f, args, ["cuda"], disabled_checks=())
     assert custom_calls(text) == [], f"{custom_calls(text)=}"
 
@@ -192,7 +195,7 @@ def test_multi_platform_export_runs_reference_on_cpu():
     q_spec, kv_spec, _ = specs(b=1, s_q=40, s_k=24, h_q=4, h_k=1, d=64)
     s_spec = jax.ShapeDtypeStruct((4,), jnp.float32)
     kwargs = dict(softmax_scale=0.125, window_left=5, window_right=0, softcap=6.0)
-    f = functools.partial(fa4_fwd, implementation="fa4", **kwargs)
+    f = functools.partial(fa4_fwd, implementation="auto", **kwargs)
     exported, text = export_text(f, (q_spec, kv_spec, kv_spec, s_spec), ["cpu", "cuda"])
     assert custom_calls(text) == [TARGET]
 
@@ -259,7 +262,7 @@ def test_vmap_folds_into_one_custom_call(in_axes, with_sinks, operand_types):
     [
         (dict(softmax_scale=-1.0), ValueError, r"softmax_scale must be finite and > 0; got softmax_scale=-1\.0"),
         (dict(softmax_scale=1e39), ValueError, r"softmax_scale must be a normal float32"),
-        (dict(implementation="triton"), ValueError, r"implementation must be one of \('fa4', 'xla'\); got implementation='triton'"),
+        (dict(implementation="triton"), ValueError, r"implementation must be one of \('fa4', 'xla', 'auto'\); got implementation='triton'"),
         (dict(window_left=-2), ValueError, r"window_size values must be >= -1 \(-1 = unbounded\); got window_size=\(-2, -1\)"),
         (dict(window_right=1.5), TypeError, r"window_size must be a pair of Python ints.*\(right is float\)"),
         (dict(window_left=True), TypeError, r"window_size must be a pair of Python ints.*\(left is bool\)"),
@@ -312,15 +315,40 @@ def test_direct_bind_validates_operands():
         jax.eval_shape(lambda q, k, v: fa4_fwd_p.bind(q, k, v, **params), q, kv, kv)
 
 
-def test_eager_fa4_param_on_cpu_uses_reference():
+def test_eager_auto_param_on_cpu_uses_reference():
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((1, 10, 2, 64), dtype=np.float32).astype(jnp.float16) for _ in range(3))
     sinks = np.array([0.3, -0.7], np.float32)
     o, lse = fa4_fwd(q, k, v, sinks, softmax_scale=0.2, window_left=2, window_right=1, softcap=4.0,
-                     implementation="fa4")
+                     implementation="auto")
     o_want, lse_want = attention_reference(q, k, v, softmax_scale=0.2, window_size=(2, 1), softcap=4.0, sinks=sinks)
     np.testing.assert_array_equal(f32(o), f32(o_want))
     np.testing.assert_array_equal(lse, lse_want)
+
+
+@pytest.mark.parametrize("platforms", [["cpu"], ["cpu", "cuda"]])
+def test_fa4_param_lowered_for_cpu_raises(platforms):
+    # "fa4" demands the kernel: a lowering for a platform without it is an error, never a fallback
+    # (a multi-platform export wants implementation=None, i.e. "auto").
+    f = functools.partial(fa4_fwd, softmax_scale=0.1, implementation="fa4")
+    message = (r'implementation="fa4" cannot run here: the program is lowered for cpu, not an NVIDIA Hopper GPU '
+               r'\(CUDA\)\. Use implementation=None')
+    with pytest.raises(RuntimeError, match=message):
+        export_text(f, specs(s_q=64, s_k=64), platforms)
+
+
+def test_auto_without_the_variant_lowers_the_reference_for_cuda(monkeypatch):
+    # Exported for CUDA from a host whose library lacks the kernel: "auto" carries the reference,
+    # "fa4" says why it cannot.
+    from fa4_jax import _platform
+
+    monkeypatch.setattr(_platform, "library_reason", lambda make_variant: f"no {make_variant('sm90').symbol}")
+    f = functools.partial(fa4_fwd, softmax_scale=0.1, implementation="auto")
+    _, text = export_text(f, specs(s_q=64, s_k=64), ["cuda"], disabled_checks=())
+    assert custom_calls(text) == []
+    f = functools.partial(fa4_fwd, softmax_scale=0.1, implementation="fa4")
+    with pytest.raises(RuntimeError, match=r'implementation="fa4" cannot run here: no fa4_fwd_sm90_bf16_hd128_full'):
+        export_text(f, specs(s_q=64, s_k=64), ["cuda"])
 
 
 def test_shape_polymorphic_export():
@@ -332,7 +360,7 @@ def test_shape_polymorphic_export():
     kv_spec = jax.ShapeDtypeStruct((b, s, 8, 128), jnp.bfloat16)
     s_spec = jax.ShapeDtypeStruct((8,), jnp.float32)
     kwargs = dict(softmax_scale=0.125, window_left=9, window_right=0, softcap=12.0)
-    f = functools.partial(fa4_fwd, implementation="fa4", **kwargs)
+    f = functools.partial(fa4_fwd, implementation="auto", **kwargs)
     exported, text = export_text(f, (q_spec, kv_spec, kv_spec, s_spec), ["cpu", "cuda"])
     # (jax adds shape_assertion custom calls that check the dims at call time)
     assert [c for c in custom_calls(text) if c != "shape_assertion"] == [TARGET]

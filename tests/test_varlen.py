@@ -207,13 +207,20 @@ BAD_ARGS = {
                 r"q must have rank 3 \(total_tokens, heads, head_dim\); got q\.shape=\(1, 5, 4, 64\)"),
     "head_dim_80": (dict(d=80), {}, ValueError,
                     r"head_dim must be one of \(64, 96, 128, 192, 256\); got head_dim=80 \(q\.shape=\(5, 4, 80\)\)"),
-    "fa4": ({}, dict(implementation="fa4"), RuntimeError,
-            r'implementation="fa4" cannot run here: (the default device is \'cpu\'|the varlen kernels)'),
+    "fa4_head_dim_96": (dict(d=96), dict(implementation="fa4"), RuntimeError,
+                        r'implementation="fa4" cannot run here: the varlen kernels support head_dim \(64, 128, 256\), got 96'),
     "cudnn": ({}, dict(implementation="cudnn"), ValueError,
               r'implementation must be None, "fa4" or "xla"; got implementation=\'cudnn\''),
     "bad_sinks": ({}, dict(sinks=np.zeros(2, np.float32)), ValueError,
                   r"sinks must have shape \(heads_q,\) = \(4,\); got sinks\.shape=\(2,\)"),
 }
+
+
+def test_fa4_on_cpu_raises_when_lowered():
+    # "fa4" traces here (the program could be exported for CUDA) but cannot be lowered for this CPU.
+    with pytest.raises(RuntimeError, match=r'implementation="fa4" cannot run here: (the program is lowered for cpu, '
+                                           r'not an NVIDIA Hopper GPU|the kernel library)'):
+        attention_varlen(*_args(), implementation="fa4")
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARGS))

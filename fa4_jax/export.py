@@ -1,0 +1,33 @@
+"""Exporting programs that call fa4_jax (`jax.export`), on any host, for any platform.
+
+    exported = jax.export.export(jax.jit(step), platforms=("cpu", "cuda"),
+                                 disabled_checks=fa4_jax.export_safety_checks())(*arg_specs)
+    blob = exported.serialize()                       # on a CPU build host, say
+    ...
+    import fa4_jax                                    # on the serving host: registers the kernels
+    jax.export.deserialize(blob).call(*args)
+
+With implementation=None the kernel-or-reference choice is made per platform while lowering (see
+fa4_jax/lowering.py): the CUDA branch calls the kernel when the kernel library of the exporting host
+holds it, every other platform gets the reference. The CUDA program names the kernels only by their
+FFI target (one per kernel family, versioned with its ABI: `fa4_jax_fwd_v2`, ...), which the
+serving host's `import fa4_jax` registers from its own library; the handler picks the variant for the
+GPU it runs on and returns an FFI error naming the device if that GPU has no kernels.
+"""
+
+from __future__ import annotations
+
+from fa4_jax.families import FAMILIES
+
+
+def ffi_targets() -> tuple[str, ...]:
+    """The FFI custom-call targets an exported fa4_jax program may contain."""
+    return tuple(family.target for family in FAMILIES)
+
+
+def export_safety_checks() -> tuple:
+    """The `jax.export.DisabledSafetyCheck`s a program calling fa4_jax kernels needs: jax refuses to
+    export custom calls it does not know unless told they are stable; ours are (versioned targets)."""
+    import jax
+
+    return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in ffi_targets())
