@@ -35,7 +35,7 @@ import fa4_jax
 from fa4_jax._validation import KERNEL_DTYPES, PAGE_SIZES, check_options
 from fa4_jax.families import HEAD_DIMS
 
-__all__ = ["FA4Attention", "dot_product_attention"]
+__all__ = ["FA4Attention", "dot_product_attention", "rotary_embedding"]
 
 Array = jax.Array
 
@@ -156,9 +156,10 @@ def dot_product_attention(
         **kwargs)
 
 
-def _rope(x: Array, positions: Array, theta: float) -> Array:
+def rotary_embedding(x: Array, positions: Array, theta: float) -> Array:
     """Rotary embedding, rotate-half convention (Llama / GPT-NeoX): dimension i < d/2 pairs with
-    i + d/2 and turns by positions * theta**(-2i/d). x (b, s, heads, d), positions int (b, s)."""
+    i + d/2 and turns by positions * theta**(-2i/d). x (b, s, heads, d), positions int (b, s).
+    FA4Attention applies it to q and k (rope_theta); public for layers that build their own core."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # (b, s, 1, half)
@@ -372,7 +373,7 @@ class FA4Attention(nnx.Module):
             if positions is None:
                 positions = jnp.arange(s, dtype=jnp.int32)[None] + (0 if old is None else old[:, None])
             positions = jnp.broadcast_to(jnp.asarray(positions), (b, s))
-            q, k = _rope(q, positions, self.rope_theta), _rope(k, positions, self.rope_theta)
+            q, k = rotary_embedding(q, positions, self.rope_theta), rotary_embedding(k, positions, self.rope_theta)
         if not decode:
             o = fa4_jax.attention(q, k, v, causal=self.causal, **options)
             return self.out(o)
