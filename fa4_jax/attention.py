@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+import jax
+from jax.typing import ArrayLike
+
 from fa4_jax import _platform
 from fa4_jax._validation import check_flag, check_options, check_qkv
 from fa4_jax.primitive import fa4_fwd_p, kernel_variant
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "return_lse", "implementation")
 
+# The public entry points' `implementation` argument (None: kernel where it can run, else the reference).
+Implementation = Literal["fa4", "xla"]
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None,
-              return_lse=False, implementation=None):
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False, softmax_scale: float | None = None,
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: ArrayLike | None = None,
+              return_lse: bool = False,
+              implementation: Implementation | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, forward only, FlashAttention-4 kernel on Hopper GPUs.
 
     Args:

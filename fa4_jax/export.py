@@ -17,17 +17,20 @@ GPU it runs on and returns an FFI error naming the device if that GPU has no ker
 
 from __future__ import annotations
 
+import jax
+
 from fa4_jax.families import FAMILIES
+
+__all__ = ["export_safety_checks", "ffi_targets"]
 
 
 def ffi_targets() -> tuple[str, ...]:
-    """The FFI custom-call targets an exported fa4_jax program may contain."""
+    """The FFI custom-call targets an exported fa4_jax program may contain (one per kernel family)."""
     return tuple(family.target for family in FAMILIES)
 
 
-def export_safety_checks() -> tuple:
+def export_safety_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
     """The `jax.export.DisabledSafetyCheck`s a program calling fa4_jax kernels needs: jax refuses to
-    export custom calls it does not know unless told they are stable; ours are (versioned targets)."""
-    import jax
-
+    export custom calls it does not know unless told they are stable; ours are (versioned targets).
+    Pass them as `jax.export.export(..., disabled_checks=fa4_jax.export_safety_checks())`."""
     return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in ffi_targets())

@@ -15,19 +15,24 @@ are unspecified.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
-from fa4_jax.attention import _trim_window, resolve_with_head_dims
+from fa4_jax.attention import Implementation, _trim_window, resolve_with_head_dims
 from fa4_jax.families.kvcache import HEAD_DIMS as KVCACHE_HEAD_DIMS
 from fa4_jax.primitive_kvcache import fa4_kvcache_p, kernel_variant
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=None, causal=False, softmax_scale=None,
-                           window_size=(-1, -1), softcap=0.0, sinks=None, num_splits=None, return_lse=False,
-                           implementation=None):
+def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, cache_seqlens: ArrayLike, *,
+                           page_table: ArrayLike | None = None, causal: bool = False,
+                           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, sinks: ArrayLike | None = None, num_splits: int | None = None,
+                           return_lse: bool = False,
+                           implementation: Implementation | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of new queries against a KV cache (decode, speculative decode, chunked prefill).
 
     Args:
@@ -71,7 +76,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, page_table=Non
 attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
 
 
-def update_kvcache(k_cache, v_cache, k_new, v_new, cache_seqlens, *, page_table=None):
+def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, cache_seqlens: ArrayLike,
+                   *, page_table: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
     """The caches with k_new / v_new (batch, seqlen_new, heads_kv, head_dim) written at positions
     cache_seqlens[b], ..., cache_seqlens[b] + seqlen_new - 1 of each sequence.
 

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from fa4_jax._validation import check_kvcache, check_options, check_qkv, check_softmax_scale, check_varlen
 
@@ -28,8 +29,9 @@ SYMBOLIC_SEQLEN_K_GUESS = 16384
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float, window_size=(-1, -1),
-                        softcap: float = 0.0, sinks=None, query_chunk: int | None = None):
+def attention_reference(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False, softmax_scale: float,
+                        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: ArrayLike | None = None,
+                        query_chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Returns (o, lse): o like q, lse float32 (batch, heads_q, seqlen_q) in natural log.
 
     Scores and the softmax are computed in float32 and the P @ V product accumulates in float32;
@@ -52,9 +54,11 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float, 
     return _attention(q, k, v, sinks, None, left, right, scale, cap, query_chunk)
 
 
-def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page_table=None, causal: bool = False,
-                                     softmax_scale: float, window_size=(-1, -1), softcap: float = 0.0, sinks=None,
-                                     query_chunk: int | None = None):
+def attention_with_kvcache_reference(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, cache_seqlens: ArrayLike, *,
+                                     page_table: ArrayLike | None = None, causal: bool = False, softmax_scale: float,
+                                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                     sinks: ArrayLike | None = None,
+                                     query_chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of q (batch, seqlen_q, heads_q, d) against a KV cache; returns (o, lse) like
     `attention_reference`. See `fa4_jax.attention_with_kvcache` for the arguments.
 
@@ -82,9 +86,12 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, cache_seqlens, *, page
     return _attention(q, k_cache, v_cache, sinks, kv_len, left, right, scale, cap, query_chunk)
 
 
-def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, causal: bool = False,
-                               softmax_scale: float, window_size=(-1, -1), softcap: float = 0.0, sinks=None,
-                               query_chunk: int | None = None):
+def attention_varlen_reference(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                               cu_seqlens_k: ArrayLike, *, seqused_k: ArrayLike | None = None, causal: bool = False,
+                               softmax_scale: float,
+                               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                               sinks: ArrayLike | None = None,
+                               query_chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of packed variable-length sequences; returns (o (total_q, heads_q, d), lse float32
     (heads_q, total_q)). See `fa4_jax.attention_varlen` for the arguments.
 

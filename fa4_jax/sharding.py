@@ -234,7 +234,8 @@ def _kvcache_out_shardings(params: dict, mesh, arg_shapes):
     return _shardings(mesh, _kvcache_plan(params, mesh, arg_shapes)[1])
 
 
-def merge_partials(o, lse, sinks=None):
+def merge_partials(o: jax.Array, lse: jax.Array,
+                   sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Exact attention from partials over disjoint key sets: o (n, b, s_q, h, d) each normalised over
     its own keys, lse (n, b, h, s_q); sinks (h,) join the denominator once. A part with lse = -inf
     (no key) weighs 0; a row with no key anywhere gives o = 0, lse = -inf (or the sink logit)."""

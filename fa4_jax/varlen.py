@@ -3,8 +3,11 @@ conventions: (total_tokens, heads, head_dim) tensors and int32 cumulative offset
 
 from __future__ import annotations
 
+import jax
+from jax.typing import ArrayLike
+
 from fa4_jax._validation import check_flag, check_options, check_varlen
-from fa4_jax.attention import _trim_window, resolve_with_head_dims
+from fa4_jax.attention import Implementation, _trim_window, resolve_with_head_dims
 from fa4_jax.families.varlen import HEAD_DIMS as VARLEN_HEAD_DIMS
 from fa4_jax.primitive_varlen import fa4_varlen_p, kernel_variant
 
@@ -12,9 +15,12 @@ STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "w
                    "implementation")
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
-                     causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False,
-                     implementation=None):
+def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                     seqused_k: ArrayLike | None = None, causal: bool = False, softmax_scale: float | None = None,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: ArrayLike | None = None,
+                     return_lse: bool = False,
+                     implementation: Implementation | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a batch of sequences of different lengths, packed without padding.
 
     Args:
