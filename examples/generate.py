@@ -162,9 +162,10 @@ def prompts(c: Config, seed=0):
     return jnp.asarray(tokens), jnp.asarray(lengths)
 
 
-def check_against_reference(c: Config, model: Decoder) -> float:
-    """Greedy decode with fa4_jax and, fed the same tokens, the XLA-reference model: the largest
-    logit difference over all steps relative to the logits' scale."""
+def check_against_reference(c: Config, model: Decoder) -> tuple[float, float, float]:
+    """Greedy decode with fa4_jax and, fed the same tokens, the XLA-reference model. Returns, over all
+    steps, the worst relative RMS logit difference (|diff|_2 / |ref|_2 per step), the worst max
+    difference relative to the step's largest logit, and how often both pick the same token."""
     reference = nnx.clone(model)
     for blk in reference.blocks:
         blk.attn.implementation = "xla"
@@ -174,7 +175,7 @@ def check_against_reference(c: Config, model: Decoder) -> float:
     for m in (model, reference):
         m.init_cache(c, paged=True)
         runs.append(list(split(m)))
-    token = None
+    token, rms, agree = None, 0.0, []
     for i in range(c.decode_steps + 1):
         logits = []
         for run in runs:
@@ -186,8 +187,10 @@ def check_against_reference(c: Config, model: Decoder) -> float:
         ours, ref = logits
         assert np.isfinite(ours).all(), f"step {i}: non-finite logits"
         worst = max(worst, float(np.abs(ours - ref).max() / np.abs(ref).max()))
+        rms = max(rms, float(np.linalg.norm(ours - ref) / np.linalg.norm(ref)))
+        agree.append(ours.argmax(-1) == ref.argmax(-1))
         token = jnp.asarray(ours.argmax(-1).astype(np.int32))  # both models continue with fa4_jax's choice
-    return worst
+    return rms, worst, float(np.mean(agree))
 
 
 def benchmark(c: Config, model: Decoder, paged: bool, repeats: int = 3):
@@ -195,6 +198,7 @@ def benchmark(c: Config, model: Decoder, paged: bool, repeats: int = 3):
     a warm-up) of one prefill call and of one jitted loop of c.decode_steps greedy steps, each timed
     alone (the fresh cache is allocated before the clock starts)."""
     tokens, lengths = prompts(c, seed=1)
+    model.init_cache(c, paged)  # the graph (which cache variables exist) must be the one run below
     graphdef, _, rest = split(model)
     t_prefill, t_decode = [], []
     for _ in range(repeats + 1):
@@ -227,11 +231,15 @@ def main() -> int:
           f"{c.heads}/{c.kv_heads} heads), batch {c.batch}, prompts {list(c.prompt_lengths)}, "
           f"{c.decode_steps} greedy steps, paged cache (page {c.page_size}); command buffers {args.xla_command_buffers}")
 
-    err = check_against_reference(c, model)
-    ok = err < 2e-2
-    print(f"logits vs the XLA-reference model at every step: max |diff| / max |logit| = {err:.2e}")
+    rms, worst, agree = check_against_reference(c, model)
+    # bf16 everywhere: the kernel rounds P to bf16 before P@V where the reference keeps float32, and
+    # 16 random-weight layers carry that ~1e-3 relative difference per layer forward. A wrong kernel
+    # (a missing block, a wrong row) moves the logits by O(1) relative.
+    ok = rms < 1e-2 and worst < 5e-2
+    print(f"logits vs the XLA-reference model at every step: relative RMS diff <= {rms:.2e}, max |diff| / "
+          f"max |logit| <= {worst:.2e}, same greedy token {agree:.1%}")
 
-    rows = [("fa4_jax (paged)", model, True)]
+    rows = [("fa4_jax (paged)", model, True), ("fa4_jax (contiguous)", model, False)]
     if on_gpu:
         rows.append(("cuDNN (contiguous)", Decoder(c, CudnnAttention, rngs=nnx.Rngs(0)), False))
     results = {}
@@ -239,9 +247,11 @@ def main() -> int:
         results[name] = benchmark(c, m, paged)
         tps, tpt = results[name]
         print(f"  {name:20s} prefill {tps:10.0f} tokens/s   decode {tpt * 1e3:7.3f} ms/token (batch {c.batch})")
-    if len(results) == 2:
-        (f_tps, f_tpt), (c_tps, c_tpt) = results.values()
-        print(f"  fa4_jax vs cuDNN: prefill {f_tps / c_tps:.2f}x, decode {c_tpt / f_tpt:.2f}x")
+    if on_gpu:
+        c_tps, c_tpt = results["cuDNN (contiguous)"]
+        for name in ("fa4_jax (paged)", "fa4_jax (contiguous)"):
+            f_tps, f_tpt = results[name]
+            print(f"  {name} vs cuDNN: prefill {f_tps / c_tps:.2f}x, decode {c_tpt / f_tpt:.2f}x")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -381,6 +381,7 @@ class FA4Attention(nnx.Module):
         if self.cached_key.dtype != k.dtype:
             raise TypeError(f"the cache holds {jnp.dtype(self.cached_key.dtype).name} but the module computes in "
                             f"{jnp.dtype(k.dtype).name}: call init_cache(..., dtype={jnp.dtype(k.dtype).name})")
+        lengths_given = lengths is not None
         if lengths is None:
             lengths, seqlens = jnp.full((b,), s, jnp.int32), old + s
         else:
@@ -400,6 +401,17 @@ class FA4Attention(nnx.Module):
                                                   page_table=table)
         self.cached_key[...], self.cached_value[...] = k_cache, v_cache
         self.cache_lengths[...] = old + lengths
-        o = fa4_jax.attention_with_kvcache(q, k_cache, v_cache, seqlens, page_table=table, causal=self.causal,
-                                           **options)
+        def from_cache():
+            return fa4_jax.attention_with_kvcache(q, k_cache, v_cache, seqlens, page_table=table,
+                                                  causal=self.causal, **options)
+
+        if s > 1 and (lengths_given is False or self.window_size[1] == 0):
+            # A prompt into empty rows (the usual prefill): the cache holds exactly these s tokens and
+            # query i sits at position i, so this is plain attention over the new tokens, which the
+            # dense prefill kernel runs faster than the decode-shaped cache kernel. Padding (if any)
+            # lies right of every real query's causal window either way.
+            o = jax.lax.cond(jnp.all(old == 0), lambda: fa4_jax.attention(q, k, v, causal=self.causal, **options),
+                             from_cache)
+        else:
+            o = from_cache()
         return self.out(o)
