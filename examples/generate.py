@@ -232,9 +232,10 @@ def main() -> int:
           f"{c.decode_steps} greedy steps, paged cache (page {c.page_size}); command buffers {args.xla_command_buffers}")
 
     rms, worst, agree = check_against_reference(c, model)
-    # bf16 everywhere: the kernel rounds P to bf16 before P@V where the reference keeps float32, and
-    # 16 random-weight layers carry that ~1e-3 relative difference per layer forward. A wrong kernel
-    # (a missing block, a wrong row) moves the logits by O(1) relative.
+    # bf16 everywhere: the kernels round P to bf16 before P@V where the reference keeps float32, and
+    # the layers carry such differences forward (measured on the H200, 1b config: relative RMS 7.7e-3,
+    # max 1.3e-2, every greedy token the same). A wrong kernel (a missing block, a wrong row) moves
+    # the logits by O(1) relative.
     ok = rms < 1e-2 and worst < 5e-2
     print(f"logits vs the XLA-reference model at every step: relative RMS diff <= {rms:.2e}, max |diff| / "
           f"max |logit| <= {worst:.2e}, same greedy token {agree:.1%}")
