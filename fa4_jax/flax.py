@@ -32,6 +32,7 @@ except ModuleNotFoundError as e:  # only a missing flax; a broken install report
     raise ImportError("fa4_jax.flax needs flax; install it with: pip install 'fa4-jax[flax]'") from e
 
 import fa4_jax
+from fa4_jax.attention import Implementation
 from fa4_jax._validation import KERNEL_DTYPES, PAGE_SIZES, check_options
 from fa4_jax.families import HEAD_DIMS
 
@@ -102,7 +103,7 @@ def dot_product_attention(
     einsum_dot_general: Callable[..., Array] | None = None,
     qk_attn_weights_einsum: Callable[..., Array] | None = None,
     attn_weights_value_einsum: Callable[..., Array] | None = None,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
     **kwargs: Any,
 ) -> Array:
     """`flax.nnx.dot_product_attention` / `flax.linen.dot_product_attention` on the FA4 kernels.
@@ -220,7 +221,7 @@ class FA4Attention(nnx.Module):
         bias_init: nnx.Initializer = nnx.initializers.zeros_init(),
         use_bias: bool = True,
         precision: Any = None,
-        implementation: str | None = None,
+        implementation: Implementation | None = None,
         rngs: nnx.Rngs,
     ):
         if dropout_rate != 0.0:

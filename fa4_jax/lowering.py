@@ -42,7 +42,8 @@ def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callabl
     """Lowering rules of a per-shard primitive.
 
     reference(*operands, **params) / kernel(*operands, **params): the two bodies (traceable).
-    variant(arch, avals_in, params): the kernel variant the call needs on `arch`.
+    variant(arch, dtype, head_dim, params): the kernel variant the call needs on `arch` (the
+      primitive's kernel_variant; dtype and head_dim are those of the first operand, q).
     is_empty(avals_in, params): a zero-size problem, which the reference answers without a launch."""
     reference_lowering = _compat.lower_fun(reference, multiple_results=True)
     kernel_lowering = _compat.lower_fun(kernel, multiple_results=True)
@@ -60,7 +61,9 @@ def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callabl
         implementation = params["implementation"]
         if implementation == "xla" or is_empty(ctx.avals_in, params):
             return reference_lowering(ctx, *operands, **params)
-        reason = _platform.lowering_reason(lambda arch: variant(arch, ctx.avals_in, params), target_devices(ctx))
+        q = ctx.avals_in[0]
+        reason = _platform.lowering_reason(lambda arch: variant(arch, q.dtype, q.shape[-1], params),
+                                           target_devices(ctx))
         if reason is None:
             return kernel_lowering(ctx, *operands, **params)
         if implementation == "fa4":

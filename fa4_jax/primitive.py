@@ -2,7 +2,8 @@
 
 Operands: q, k, v and, when has_sinks, sinks (heads_q,) float32.
 Params: softmax_scale (float), window_left / window_right (ints, causal folded in: causal is
-(-1, 0)), softcap (float, 0 = off), has_sinks (bool), implementation ("fa4" | "xla").
+(-1, 0)), softcap (float, 0 = off), has_sinks (bool), implementation ("fa4" | "xla" | "auto":
+the API's None, resolved per platform when lowering).
 Lowering: through the sharding rule (fa4_jax/sharding.py) into the per-shard primitive
 `fa4_fwd_local`, which lowers (fa4_jax/lowering.py, per platform) to a typed-FFI custom call to the
 AOT-built kernel library on CUDA when the kernel can serve the call, else to the pure-JAX reference.
@@ -138,8 +139,7 @@ def _is_empty(avals, params) -> bool:
 
 
 register_local_lowerings(fa4_fwd_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
-                         variant=lambda arch, avals, params: kernel_variant(arch, avals[0].dtype, avals[0].shape[-1],
-                                                                            params))
+                         variant=kernel_variant)
 sharding.register(fa4_fwd_p, fa4_fwd_local_p, *sharding.fwd_rules)
 
 

@@ -114,8 +114,7 @@ def _is_empty(avals, params) -> bool:
 
 
 register_local_lowerings(fa4_kvcache_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
-                         variant=lambda arch, avals, params: kernel_variant(arch, avals[0].dtype, avals[0].shape[-1],
-                                                                            params))
+                         variant=kernel_variant)
 sharding.register(fa4_kvcache_p, fa4_kvcache_local_p, *sharding.kvcache_rules)
 
 

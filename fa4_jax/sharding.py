@@ -288,6 +288,7 @@ def _gather_tail(k, v, lens, table, tail: int, shard, axis):
 def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
     arg_specs, out_specs, q_axes, kv_slice, cp_axes = _kvcache_plan(params, mesh, arg_shapes)
     paged = params["paged"]
+    capacity = _capacity(params, arg_shapes[1].shape, arg_shapes[4].shape if paged else None)  # global keys per row
 
     def impl(q, k, v, lens, *rest):
         k, v = _slice_kv_heads(q_axes, kv_slice, k, v)
@@ -298,7 +299,7 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
         table = rest[0] if paged else None
         shard = jax.lax.axis_index(axis)
         # Keys past the capacity do not exist (the kernel clamps lengths the same way).
-        lens = jnp.clip(lens, 0, table.shape[1] * k.shape[1] if paged else k.shape[1] * _axes_size(mesh, cp_axes))
+        lens = jnp.clip(lens, 0, capacity)
         tail = _tail_length(params, q.shape[1])
         parts = []
         if params["window_left"] < 0:  # the body [0, len - tail): every query sees all of it
