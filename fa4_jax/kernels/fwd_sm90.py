@@ -51,6 +51,13 @@ _LOG2E = 1.4426950408889634
 class FlashAttentionForwardSm90:
     """One compiled instance per FwdVariant; `__init__` holds compile-time configuration only."""
 
+    # Whether a K/V tile may run past the sequence's last key into memory the sequence does not own:
+    # a KV cache's unused slots or pages, the next packed sequence. Those keys' scores are masked to
+    # -inf (P = 0), but the tensor core computes 0 * NaN = NaN, so their V rows are zeroed in shared
+    # memory before the PV gemm (clear_v_rows). Dense tensors end where the sequence ends (TMA fills
+    # zeros past it): off here, so the dense kernel is unchanged.
+    CLEAR_V_TAIL = False
+
     def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool):
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
@@ -365,11 +372,11 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape,
                  state, pipe_q, q_state, pipe_k, pipe_v, mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale,
-                 blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype):
+                 blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype, sV=None, tidx=None):
         """All K/V blocks of one query tile (Q already in smem), from the highest block index down:
         the first block carries the seqlen_k boundary and the window's right edge; the phases after
         it are listed in block_info.py. `state` is the K/V consumer state; returns it advanced past
-        this tile's blocks."""
+        this tile's blocks. sV and tidx (the consumer thread index) are needed with CLEAR_V_TAIL."""
         cfg = self.cfg
 
         # First block (highest index): S only; its PV gemm is issued in the next step.
@@ -383,6 +390,14 @@ class FlashAttentionForwardSm90:
         mask.apply(acc_S, m_block, n_block, seqlen=True, window=True)
         softmax.step(acc_S, is_first=True)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
+        if const_expr(self.CLEAR_V_TAIL):
+            # Only the first block can hold the sequence's last key (later ones are full); its V
+            # arrives right behind the next K, so waiting for it here costs little, and only tiles
+            # whose sequence ends inside the block pay anything beyond a compare.
+            keys_in_block = blocks.seqlen.seqlen_k - n_block * cfg.tile_n
+            if keys_in_block < cfg.tile_n:
+                pipe_v.consumer_wait(state)
+                self.clear_v_rows(sV, state.index, keys_in_block, tidx, wg)
 
         step = partial(self.step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
                        tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, o_scale=o_scale,
@@ -452,6 +467,34 @@ class FlashAttentionForwardSm90:
         else:
             OnlineSoftmax.rescale(acc_O, scale)
         return state
+
+    @cute.jit
+    def clear_v_rows(self, sV, stage, first_row, tidx, wg):
+        """Zero rows [first_row, tile_n) of V stage `stage` with 16-byte stores by the 128 threads of
+        consumer warpgroup `wg`, and make them visible to its wgmma (async proxy) before any of its
+        threads goes on. With several consumer warpgroups each clears the rows itself: they all
+        write the same zeros, so one warpgroup's gemm never depends on another's progress."""
+        cfg = self.cfg
+        dtype = sV.element_type
+        vec = 128 // dtype.width
+        threads_per_row = cfg.head_dim // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom,
+            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+        thr = tiled.get_slice(tidx % 128)
+        tVsV = thr.partition_D(sV[None, None, stage])
+        tVcV = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        zeros = cute.make_rmem_tensor(cute.make_layout(vec), dtype)
+        zeros.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
+            if tVcV[0, m, 0][0] >= first_row:
+                for k in cutlass.range_constexpr(cute.size(tVsV, mode=[2])):
+                    cute.copy(atom, zeros, tVsV[None, m, k])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(wg), number_of_threads=128)
 
     @cute.jit
     def _pingpong_wait(self, wg):

@@ -54,6 +54,10 @@ COMBINE_ROWS_PER_CTA = 4
 
 
 class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
+    # A cache's slots past cache_seqlens[b] (and the pages they map to) hold anything: see
+    # FlashAttentionForwardSm90.CLEAR_V_TAIL.
+    CLEAR_V_TAIL = True
+
     def __init__(self, cfg, mask: str, softcap: bool, paged: bool):
         super().__init__(cfg, mask, softcap)
         self.paged = paged
@@ -249,7 +253,7 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
                 state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                       s_shape, state, None, None, pipe_k, pipe_v, ScoreMask.create(blocks, tScS),
                                       softmax, softcap_prescale, blocks, work.m_block, n_block_min, n_block_max,
-                                      0, dtype)
+                                      0, dtype, sV, tidx)
             # Sinks join the final denominator once: here without splits, in the combine with them.
             for r in cutlass.range_constexpr(cute.size(sink_log2)):
                 sink_log2[r] = -Float32.inf
@@ -352,7 +356,10 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
                 total += cute.arch.shuffle_sync_bfly(total, offset=1 << off)
             total += cute.math.exp2(mSinks[head] * _LOG2E - big_safe, fastmath=True)
             empty = total == 0.0
-            inv = 0.0 if empty else cute.arch.rcp_approx(total)
+            # A +inf sink takes the whole mass (o = 0, lse = +inf; inf - inf would make total NaN);
+            # a NaN sink leaves total NaN, so o and lse come out NaN (softmax.finalize does the same).
+            sink_wins = mSinks[head] == Float32.inf
+            inv = 0.0 if (empty or sink_wins) else cute.arch.rcp_approx(total)
             acc = cute.make_rmem_tensor(per_lane, Float32)
             acc.fill(0.0)
             for s in cutlass.range(num_splits, unroll=4):
@@ -364,8 +371,8 @@ class FlashAttentionKVCacheSm90(FlashAttentionForwardSm90):
             for i in cutlass.range_constexpr(per_lane):
                 out[lane * per_lane + i] = acc[i].to(mO.element_type)
             if lane == 0:
-                mLSE[batch, head, query] = -Float32.inf if empty else (
-                    (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0))
+                lse = -Float32.inf if empty else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+                mLSE[batch, head, query] = Float32.inf if sink_wins else lse
 
 
 @dataclass(frozen=True)  # frozen: read inside the dynamic tile loop (see tile_scheduler.py)

@@ -23,7 +23,9 @@ class OnlineSoftmax:
     """
 
     scale_log2: Float32
-    row_max: cute.Tensor  # per row this thread owns; the tensors' contents change, the fields do not
+    # Per row this thread owns (the tensors' contents change, the fields do not): the running max of
+    # the scaled scores (m * scale_log2, -inf before any key), and the running sum.
+    row_max: cute.Tensor
     row_sum: cute.Tensor
 
     @staticmethod
@@ -34,26 +36,34 @@ class OnlineSoftmax:
     @cute.jit
     def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
         """Turn scores into unnormalised probabilities in place; return the factor by which the
-        running output must be rescaled (exp2 of the max shift)."""
+        running output must be rescaled.
+
+        `row_max` holds the running max already scaled (m * scale_log2, rounded once to float32)
+        and every exponent and rescale factor is taken against that stored value, so the rounding
+        of m * scale_log2 is common to all of a row's terms and cancels in O and the LSE. Taking
+        the rescale as (m_prev - m) * scale_log2 instead would weigh blocks against differently
+        rounded shifts: a relative error of ulp(m * scale_log2) (2% at |m * scale_log2| ~ 1e6).
+        The exponent of the max itself is the product's rounding error, at most ulp/2, so
+        probabilities stay finite while |m * scale_log2| < 2^28 (fp16 P: 2^15 is its largest power).
+        """
         s_mn = acc_as_mn(acc_S)
         scale = cute.make_rmem_tensor(self.row_max.layout, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
             prev = self.row_max[r]
-            init = -Float32.inf if const_expr(is_first) else prev
-            cur = quad_allreduce_max(row_max(row, init))
+            block_max = quad_allreduce_max(row_max(row, -Float32.inf)) * self.scale_log2
+            cur = block_max if const_expr(is_first) else cute.arch.fmax(prev, block_max)
             self.row_max[r] = cur
             # A row masked so far has max -inf; exponentiate against 0 instead so that masked
             # entries give exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
             cur_safe = 0.0 if cur == -Float32.inf else cur
-            shift = cur_safe * self.scale_log2
-            p = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
+            p = cute.math.exp2(row * self.scale_log2 - cur_safe, fastmath=True)
             s_mn[r, None].store(p)
             if const_expr(is_first):
                 scale[r] = 1.0
                 self.row_sum[r] = row_sum(p, Float32(0.0))
             else:
-                scale[r] = cute.math.exp2((prev - cur_safe) * self.scale_log2, fastmath=True)
+                scale[r] = cute.math.exp2(prev - cur_safe, fastmath=True)
                 self.row_sum[r] = row_sum(p, self.row_sum[r] * scale[r])
         return scale
 
@@ -64,25 +74,32 @@ class OnlineSoftmax:
 
         `sink_log2` is the rows' attention-sink logit times log2(e) (-inf: no sink), one Float32 for
         all rows or an rmem tensor with one per row (pack-GQA tiles mix heads): it joins the
-        denominator with no value row. The running sum is relative to the row max m, so with
-        M = max(m * scale_log2, sink_log2) the denominator is 2^M * (sum * 2^(m' - M) + 2^(sink - M))
-        (m' = m * scale_log2) and O's factor 2^(m' - M) / (...): both exponents are <= 0, so a sink
-        far above the scores cannot overflow. A row that saw no key and has no sink has sum 0: its
-        output stays 0 and its LSE is -inf; with a sink its LSE is the sink logit.
+        denominator with no value row. The running sum is relative to the scaled row max m', so with
+        M = max(m', sink_log2) the denominator is 2^M * (sum * 2^(m' - M) + 2^(sink - M)) and O's
+        factor 2^(m' - M) / (...): both exponents are <= 0, so a sink far above the scores cannot
+        overflow. A row that saw no key and has no sink has sum 0: its output stays 0 and its LSE is
+        -inf; with a sink its LSE is the sink logit. A sink of +inf takes the whole mass (o = 0,
+        lse = +inf); a NaN sink makes the row NaN (o and lse), as in the reference.
         """
         inv = cute.make_rmem_tensor(self.row_max.layout, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = quad_allreduce_sum(self.row_sum[r])
-            m_scaled = self.row_max[r] * self.scale_log2
+            m_scaled = self.row_max[r]
             sink = sink_log2[r] if const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
             big = cute.arch.fmax(m_scaled, sink)
             big_safe = 0.0 if big == -Float32.inf else big
             o_scale = cute.math.exp2(m_scaled - big_safe, fastmath=True)
             denom = total * o_scale + cute.math.exp2(sink - big_safe, fastmath=True)
-            empty = denom == 0.0 or denom != denom
+            empty = denom == 0.0
             inv[r] = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
             lse = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)
             self.row_sum[r] = -Float32.inf if empty else lse
+            if sink == Float32.inf:
+                inv[r] = 0.0
+                self.row_sum[r] = Float32.inf
+            if sink != sink:
+                inv[r] = sink
+                self.row_sum[r] = sink
         return inv
 
     @staticmethod

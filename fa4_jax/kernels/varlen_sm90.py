@@ -3,12 +3,14 @@
 The dense kernel (fwd_sm90.py: warp-specialised TMA producer, two or three consumer warpgroups with
 ping-pong, register-sourced PV) on packed (total_tokens, heads, head_dim) tensors. What changes:
 - A tile is (m_block, head, batch) with batch's rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys
-  [cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b]) (SeqlenInfo with offsets). Tiles whose m_block
+  [cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b]) (SeqlenInfo with offsets; seqused_k clamped to
+  [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]). Tiles whose m_block
   starts past the sequence's end exit at once; the grid is sized by max_seqlen_q (a static hint, or
   the total when there is none).
 - Persistent CTAs for full masks (max_ctas = SM count from the handler), one CTA per tile otherwise.
 - Q and K/V tiles are TMA boxes at the sequence's offset (`cute.domain_offset`): a box may run into
-  the next sequence's rows, which only ever feed masked scores or rows that are not stored.
+  the next sequence's rows, which only ever feed masked scores (their V rows are zeroed in shared
+  memory first, CLEAR_V_TAIL: a NaN there must not reach this sequence) or rows that are not stored.
 - O and LSE are stored from registers with a row predicate, never as a TMA box, which would clobber
   the next sequence's rows.
 - Rows past cu_seqlens_q[batch] (padding at the end of the packed tensor) belong to no sequence: an
@@ -41,6 +43,10 @@ _LOG2E = 1.4426950408889634
 
 
 class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
+    # A sequence's last K/V tile runs into the next sequence's keys: see
+    # FlashAttentionForwardSm90.CLEAR_V_TAIL.
+    CLEAR_V_TAIL = True
+
     @cute.jit
     def __call__(
         self,
@@ -160,8 +166,11 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
     def seqlen_of(self, ctx, batch: Int32) -> SeqlenInfo:
         offset_q = ctx.mCuSeqlensQ[batch]
         offset_k = ctx.mCuSeqlensK[batch]
-        return SeqlenInfo(ctx.mCuSeqlensQ[batch + 1] - offset_q, cutlass.max(ctx.mSequsedK[batch], 0),
-                          offset_q, offset_k)
+        # seqused_k is clamped to the sequence's own keys: a larger value must not read the next
+        # sequence's (as cache_seqlens is clamped to the capacity).
+        own_keys = cutlass.max(ctx.mCuSeqlensK[batch + 1] - offset_k, 0)
+        seqlen_k = cutlass.min(cutlass.max(ctx.mSequsedK[batch], 0), own_keys)
+        return SeqlenInfo(ctx.mCuSeqlensQ[batch + 1] - offset_q, seqlen_k, offset_q, offset_k)
 
     @cute.jit
     def load_varlen(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v,
@@ -238,7 +247,7 @@ class FlashAttentionVarlenSm90(FlashAttentionForwardSm90):
                         state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                               s_shape, state, pipe_q, q_state, pipe_k, pipe_v,
                                               ScoreMask.create(blocks, tScS), softmax, softcap_prescale, blocks,
-                                              work.m_block, n_block_min, n_block_max, wg, dtype)
+                                              work.m_block, n_block_min, n_block_max, wg, dtype, sV, tidx)
                         if const_expr(not cfg.separate_o):
                             # The mainloop keeps Q when O would reuse its buffer; this kernel stores O
                             # from registers, so the next tile's Q may come in now.
