@@ -3,7 +3,13 @@
 Same contract as the FA4 kernels: layout (batch, seqlen, heads, head_dim), GQA/MQA by head groups,
 masks aligned to the bottom-right corner (query i sits at key position i + seqlen_k - seqlen_q), a
 two-sided sliding window, tanh logit softcapping and per-head attention sinks; rows that see no key
-give O = 0 and LSE = -inf (with sinks: LSE = the sink logit).
+give O = 0 and LSE = -inf (with sinks: LSE = the sink logit). A sink of -inf is no sink, +inf takes
+the whole mass (O = 0, LSE = +inf), NaN makes the row NaN.
+
+Isolation: a key or value outside a row's own sequence (past a KV cache's length, in another packed
+sequence, past seqused_k) never changes that row, whatever it holds (NaN/Inf included): scores are
+masked with a select, and such V rows are zeroed (a KV cache) or kept out of the P @ V product (packed
+sequences) instead of being multiplied by P = 0, which would turn NaN into NaN.
 """
 
 from __future__ import annotations
@@ -81,6 +87,10 @@ def attention_with_kvcache_reference(q: ArrayLike, k_cache: ArrayLike, v_cache: 
     if any(_is_zero(x) for x in (b, s_q, capacity)):
         return _empty(q, sinks)
     kv_len = jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)
+    # Slots past a sequence's length (and the pages they map to) may hold anything: their V rows must
+    # not reach P @ V, where P = 0 would still turn NaN into NaN. (Scores are masked by a select.)
+    used = jnp.arange(capacity, dtype=jnp.int32)[None, :, None, None] < kv_len[:, None, None, None]
+    v_cache = jnp.where(used, v_cache, jnp.zeros((), v_cache.dtype))
     if query_chunk is None:
         query_chunk = _auto_chunk(b, s_q, h_q, capacity)
     return _attention(q, k_cache, v_cache, sinks, kv_len, left, right, scale, cap, query_chunk)
@@ -96,9 +106,9 @@ def attention_varlen_reference(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seql
     (heads_q, total_q)). See `fa4_jax.attention_varlen` for the arguments.
 
     Sequence b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and keys [cu_seqlens_k[b],
-    cu_seqlens_k[b] + n) with n = seqused_k[b] if given else cu_seqlens_k[b+1] - cu_seqlens_k[b];
-    masks are bottom-right aligned per sequence. Query rows past cu_seqlens_q[-1] belong to no
-    sequence and see no key.
+    cu_seqlens_k[b] + n) with n = cu_seqlens_k[b+1] - cu_seqlens_k[b], or seqused_k[b] clamped to
+    [0, n] if given; masks are bottom-right aligned per sequence. Query rows past cu_seqlens_q[-1]
+    belong to no sequence and see no key.
     """
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, kernel_constraints=False)
     scale, cap, (left, right) = _options(causal, softmax_scale, window_size, softcap, sinks, q.shape[1])
@@ -123,23 +133,40 @@ def _attention_varlen(q, k, v, cu_q, cu_k, seqused_k, sinks, left: int, right: i
     batch = cu_q.shape[0] - 1
     # One "batch" of packed rows: each row finds its sequence, and its keys by a mask.
     qh = q.reshape(total_q, h_k, g, d).transpose(1, 2, 0, 3)[None]  # (1, h_k, g, total_q, d)
-    kh, vh = (x.transpose(1, 0, 2)[None] for x in (k, v))  # (1, h_k, total_k, d)
+    kh = k.transpose(1, 0, 2)[None]  # (1, h_k, total_k, d)
+    # Every row's P @ V contracts over all packed keys, other sequences' with P = 0: a NaN/Inf value
+    # there would still poison the row (0 * NaN). So P @ V runs on the finite part of V, and a
+    # non-finite value reaches exactly the rows that see its key (one more product, only when V has one).
+    finite = jnp.isfinite(v)
+    has_nonfinite = jnp.logical_not(jnp.all(finite))
+    vh = jnp.where(finite, v, jnp.zeros((), v.dtype)).transpose(1, 0, 2)[None]
+    nonfinite = jnp.logical_not(finite).transpose(1, 0, 2).astype(jnp.float32)  # (h_k, total_k, d)
     sk = None if sinks is None else sinks.reshape(h_k, g)
     cols = jnp.arange(total_k, dtype=jnp.int32)
+    k_end = cu_k[1:]
 
     def block(q_blk, row0):
         t = row0 + jnp.arange(q_blk.shape[3], dtype=jnp.int32)
-        seq = jnp.searchsorted(cu_q[1:], t, side="right").astype(jnp.int32)  # batch when past the end
+        # The row's sequence: how many sequences end at or before it (batch when past the end). A
+        # plain comparison, not searchsorted: that needs a static number of sequences.
+        seq = jnp.sum(cu_q[1:][None, :] <= t[:, None], axis=1, dtype=jnp.int32)
         in_seq = seq < batch
         seq = jnp.minimum(seq, batch - 1)
         q_start, q_len = cu_q[seq], cu_q[seq + 1] - cu_q[seq]
         k_start = cu_k[seq]
-        k_len = seqused_k[seq] if seqused_k is not None else cu_k[seq + 1] - k_start
+        own = jnp.maximum(k_end[seq] - k_start, 0)
+        k_len = own if seqused_k is None else jnp.clip(seqused_k[seq], 0, own)
         rel = cols[None, :] - k_start[:, None]  # key index within the row's sequence
         visible = in_seq[:, None] & (rel >= 0) & (rel < k_len[:, None])
         window = _window_mask((t - q_start + k_len - q_len)[:, None], rel, left, right)
         visible = visible if window is None else visible & window
-        return _masked_attention(q_blk, kh, vh, visible, sk, scale, softcap)
+        o, lse = _masked_attention(q_blk, kh, vh, visible, sk, scale, softcap)
+
+        def poison(o):
+            hits = jnp.einsum("ck,hkd->hcd", visible.astype(jnp.float32), nonfinite, precision=_HIGHEST)
+            return jnp.where(hits[None, :, None] > 0, jnp.asarray(jnp.nan, o.dtype), o)
+
+        return lax.cond(has_nonfinite, poison, lambda o: o, o), lse
 
     o, lse = _map_query_chunks(block, qh, query_chunk)
     return o[0].transpose(2, 0, 1, 3).reshape(total_q, h_q, d), lse[0].reshape(h_q, total_q)
@@ -162,6 +189,7 @@ def _empty(q, sinks):
     o = jnp.zeros(q.shape, q.dtype)
     if sinks is None:
         return o, jnp.full((b, h_q, s_q), -jnp.inf, jnp.float32)
+    o = jnp.where(jnp.isnan(sinks)[None, None, :, None], jnp.asarray(jnp.nan, q.dtype), o)  # a NaN sink: NaN rows
     return o, jnp.broadcast_to(sinks[None, :, None], (b, h_q, s_q))
 
 
@@ -252,31 +280,47 @@ def _masked_attention(qh, kh, vh, visible, sinks, scale: float, softcap: float):
     """
     b, h_k, g, c, d = qh.shape
     s_k = kh.shape[2]
-    s = jnp.einsum(
+    u = jnp.einsum(
         "bhmd,bhkd->bhmk", qh.reshape(b, h_k, g * c, d), kh,
         preferred_element_type=jnp.float32, precision=_HIGHEST,
     ).reshape(b, h_k, g, c, s_k)
-    s = s * scale
+    # The scaled scores are mult * u: u the raw scores (or tanh of the scaled ones under a softcap),
+    # mult the scale (or the cap), as in the kernel.
     if softcap:
-        s = softcap * jnp.tanh(s / softcap)
+        u, mult = jnp.tanh(u * (scale / softcap)), softcap
+    else:
+        mult = scale
     if visible is not None:
-        s = jnp.where(visible, s, -jnp.inf)
+        u = jnp.where(visible, u, -jnp.inf)  # a select: a NaN score of a hidden key is dropped too
 
-    m = jnp.max(s, axis=-1)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks[None, :, :, None])
-    # A row with no visible key (and no sink) has m = -inf; shifting by 0 instead keeps exp() at 0
+    # Exponents as (u - max u) * mult: the max's is exactly 0 whatever the magnitude. (u * mult - m
+    # may be fused into one FMA whose rounding error, ~1e-7 of |m|, overflows exp at |m| > ~1e9.)
+    u_max = jnp.max(u, axis=-1)
+    m = u_max * mult  # the row max of the scaled scores; -inf for a row without a visible key
+    big = m if sinks is None else jnp.maximum(m, sinks[None, :, :, None])
+    # A row with no visible key (and no sink) has big = -inf; shifting by 0 instead keeps exp() at 0
     # and avoids inf - inf = NaN.
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    p = jnp.exp(s - m[..., None])
+    big_safe = jnp.where(jnp.isneginf(big), 0.0, big)
+    u_max_safe = jnp.where(jnp.isneginf(u_max), 0.0, u_max)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.exp((u - u_max_safe[..., None]) * mult + (m_safe - big_safe)[..., None])
     l = jnp.sum(p, axis=-1)
     if sinks is not None:
-        l = l + jnp.exp(sinks[None, :, :, None] - m)
+        l = l + jnp.exp(sinks[None, :, :, None] - big_safe)
     o = jnp.einsum(
         "bhmk,bhkd->bhmd", p.reshape(b, h_k, g * c, s_k), vh.astype(jnp.float32),
         preferred_element_type=jnp.float32, precision=_HIGHEST,
     ).reshape(b, h_k, g, c, d)
     has_mass = l > 0.0
     inv_l = jnp.where(has_mass, 1.0 / jnp.where(has_mass, l, 1.0), 0.0)
-    lse = jnp.where(has_mass, m + jnp.log(jnp.where(has_mass, l, 1.0)), -jnp.inf)
-    return (o * inv_l[..., None]).astype(qh.dtype), lse
+    lse = jnp.where(has_mass, big_safe + jnp.log(jnp.where(has_mass, l, 1.0)), -jnp.inf)
+    o = o * inv_l[..., None]
+    # NaN anywhere in what the row sees (a visible NaN key, a NaN sink) makes the row NaN, LSE too.
+    lse = jnp.where(jnp.isnan(l), jnp.nan, lse)
+    o = jnp.where(jnp.isnan(l)[..., None], jnp.nan, o)
+    if sinks is not None:
+        # A +inf sink takes the whole mass: O = 0, LSE = +inf.
+        wins = jnp.isposinf(sinks)[None, :, :, None]
+        o = jnp.where(wins[..., None], 0.0, o)
+        lse = jnp.where(wins, jnp.inf, lse)
+    return o.astype(qh.dtype), lse
