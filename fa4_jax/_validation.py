@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax.families import HEAD_DIMS
+from fa4_jax.families.kvcache import MAX_SPLITS
 
 # The kernels are compiled for these input dtypes only (see fa4_jax.families.DTYPES).
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -35,6 +36,16 @@ def check_flag(name: str, value) -> bool:
 
 _LOG2E = 1.4426950408889634
 _F32 = np.finfo(np.float32)
+
+# Upper bounds of softmax_scale and softcap (mirrored in ffi/handler_util.h). The kernels' float32
+# softmax exponentiates every score against the row's scaled max m' = max|s| * scale * log2(e),
+# rounded once; that rounding is common to the row and cancels, as long as 2^(ulp(m') / 2) stays
+# finite in the fp16/bf16 P operand: |m'| < 2^28. A scale of at most 1e4 keeps that true for scores
+# |q . k| up to ~1.8e4 (N(0, 1) inputs give |q . k| of a few dozen); beyond ~1e8 even a score of 1
+# would not be resolved. Under a softcap the scaled scores are cap * tanh(...), so the cap alone
+# bounds m': 1e6 (a cap far above any score is no cap).
+MAX_SOFTMAX_SCALE = 1e4
+MAX_SOFTCAP = 1e6
 
 
 def _static_float(name: str, value, default_hint: str) -> float:
@@ -68,10 +79,10 @@ def check_softmax_scale(softmax_scale) -> float:
     scale = _static_float("softmax_scale", softmax_scale, " or leave it None for 1/sqrt(head_dim)")
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale=}")
-    if not (_usable_f32(scale) and _usable_f32(scale * _LOG2E)):
+    if not (_usable_f32(scale) and _usable_f32(scale * _LOG2E)) or scale > MAX_SOFTMAX_SCALE:
         raise ValueError(
-            f"softmax_scale must be a normal float32 with softmax_scale * log2(e) finite in float32 "
-            f"(about 1.2e-38 .. 2.3e38); got {softmax_scale=}"
+            f"softmax_scale must be a normal float32 in about 1.2e-38 .. {MAX_SOFTMAX_SCALE:g} (larger scales "
+            f"turn the float32 softmax into an argmax it cannot resolve); got {softmax_scale=}"
         )
     return scale
 
@@ -79,8 +90,8 @@ def check_softmax_scale(softmax_scale) -> float:
 def check_softcap(softcap, softmax_scale: float) -> float:
     """0.0 (off) or the cap c of `c * tanh(s / c)` on the scaled scores, as a Python float."""
     cap = _static_float("softcap", softcap, " or leave it 0.0 (off)")
-    if not math.isfinite(cap) or cap < 0.0:
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap=}")
+    if not math.isfinite(cap) or cap < 0.0 or cap > MAX_SOFTCAP:
+        raise ValueError(f"softcap must be in [0, {MAX_SOFTCAP:g}] (0 = off); got {softcap=}")
     # With a cap the kernel computes tanh(s * (softmax_scale / c)) and exponentiates with c * log2(e).
     if cap > 0.0 and not (_usable_f32(cap * _LOG2E) and _usable_f32(softmax_scale / cap)):
         raise ValueError(
@@ -259,8 +270,9 @@ def check_num_splits(num_splits) -> int | None:
         return None
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be None (pick at run time) or a Python int >= 1; got {num_splits=!r}")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 (or None: pick at run time); got {num_splits=}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] (the kernel's maximum; or None: pick at run "
+                         f"time); got {num_splits=}")
     return int(num_splits)
 
 

@@ -57,12 +57,17 @@ struct SoftmaxArgs {
   float softcap_prescale;
 };
 
+// Upper bounds of the scale and the cap: fa4_jax/_validation.py (MAX_SOFTMAX_SCALE, MAX_SOFTCAP) says why.
+constexpr double kMaxSoftmaxScale = 1e4;
+constexpr double kMaxSoftcap = 1e6;
+
 inline ffi::Error ResolveSoftmax(const char *target, double scale, double cap, SoftmaxArgs &out) {
   constexpr double kLog2e = 1.4426950408889634;
-  if (!(UsableF32(scale) && UsableF32(scale * kLog2e)))
-    return InvalidArgument(target, "softmax_scale must be a positive normal float32 with softmax_scale * log2(e) "
-                                   "finite; got " + std::to_string(scale));
-  if (!(std::isfinite(cap) && cap >= 0) || (cap > 0 && !(UsableF32(cap * kLog2e) && UsableF32(scale / cap))))
+  if (!(UsableF32(scale) && UsableF32(scale * kLog2e) && scale <= kMaxSoftmaxScale))
+    return InvalidArgument(target, "softmax_scale must be a positive normal float32 <= 1e4; got " +
+                                       std::to_string(scale));
+  if (!(std::isfinite(cap) && cap >= 0 && cap <= kMaxSoftcap) ||
+      (cap > 0 && !(UsableF32(cap * kLog2e) && UsableF32(scale / cap))))
     return InvalidArgument(target, "softcap must be 0 or a positive float32 with softcap * log2(e) and "
                                    "softmax_scale / softcap normal float32 numbers; got " + std::to_string(cap));
   out.scale_log2 = static_cast<float>((cap > 0 ? cap : scale) * kLog2e);
