@@ -187,10 +187,16 @@ def test_sown_weights_fall_back():
     x = normal(5, (2, S, F))
     layer = mha(dot_product_attention)
     with fallback_warnings() as warned:
-        layer(x, sow_weights=True)
+        got = layer(x, sow_weights=True)
     assert len(warned) == 1 and "sown" in warned[0]
     (weights,) = nnx.state(layer, nnx.Intermediate)["attention_weights"].get_value()  # flax sowed them
     assert weights.shape == (2, 4, S, S)
+    # The fallback is flax's own function: the same weights and output as the plain flax layer.
+    theirs = mha(nnx.dot_product_attention)
+    want = theirs(x, sow_weights=True)
+    (want_weights,) = nnx.state(theirs, nnx.Intermediate)["attention_weights"].get_value()
+    np.testing.assert_array_equal(f32(weights), f32(want_weights))
+    np.testing.assert_array_equal(f32(got), f32(want))
 
 
 def test_linen_mha(kernel_calls):
@@ -366,9 +372,12 @@ def test_decode_padded_batch_matches_per_row_reference(name):
             assert_close(g, reference(m, seq[None, a:e], seq[None, :e], pos_q=pos[:, a:], pos_k=pos)[0])
 
 
-def test_paged_cache_equals_contiguous():
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_cache_equals_contiguous(page):
     opts = dict(rope_theta=10000.0, use_sinks=True, **GQA)
-    b, max_length, page = len(PROMPT_LENGTHS), 48, 16
+    # 3 pages per row: the prompts (up to 37 tokens) and the steps cross page boundaries at page 16;
+    # at page 64 a row's tokens stay in its first page, which is not pool page 0.
+    b, max_length = len(PROMPT_LENGTHS), 3 * page
     contiguous, paged = make_layer(**opts), make_layer(**opts)
     contiguous.init_cache(b, max_length)
     # 3 pages per row out of a pool of 13, in shuffled order (a row's pages are neither adjacent nor ordered).

@@ -168,12 +168,58 @@ def test_paged_matches_oracle_and_contiguous(page_size, num_pages, max_pages, se
     np.testing.assert_array_equal(lse, lse_c)
 
 
+@pytest.mark.parametrize("page_size", [32, 128, 256])
+def test_paged_page_sizes_match_oracle(page_size):
+    # Every page size the kernels tile, pages shuffled and one shared; lengths inside the first page,
+    # across a boundary and into the last page.
+    max_pages, num_pages = 3, 10
+    seqlens = np.array([5, page_size + 3, 3 * page_size - 1], np.int32)
+    table = shuffled_page_table(page_size + 1, 3, max_pages, num_pages)
+    kwargs = dict(causal=True, window_size=(page_size + 7, -1), sinks=make_sinks(page_size, 8))
+    q, kp, vp = make_inputs(35 + page_size, b=3, s_q=4, cache_shape=(num_pages, page_size), h_q=8, h_k=2)
+    o, lse = attention_with_kvcache(q, kp, vp, seqlens, page_table=table, return_lse=True, **kwargs)
+    check_result(o, lse, q, kp, vp, seqlens, page_table=table, **kwargs)
+
+
+# Lengths outside [0, capacity] break the contract ("results unspecified"), but attention clamps them
+# to the capacity, never reading past it; the kernel clamps the same way (tests/test_gpu_kvcache.py).
+# Causal, so that the clamp is visible: a length past the capacity, unclamped, would put the queries
+# past the last key and let every query see every key.
+OUT_OF_RANGE_LENGTHS = {
+    "contiguous": (None, [-5, CAPACITY + 1, 1 << 30, 37]),
+    "paged": (16, [-1, 3 * 16 + 9, 1 << 30, 20]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUT_OF_RANGE_LENGTHS))
+@pytest.mark.parametrize("s_q", [1, 4])
+def test_cache_seqlens_are_clamped_to_the_capacity(case, s_q):
+    page_size, seqlens = OUT_OF_RANGE_LENGTHS[case]
+    seqlens = np.array(seqlens, np.int32)
+    if page_size is None:
+        table, cache_shape, capacity = None, (4, CAPACITY), CAPACITY
+    else:
+        table = shuffled_page_table(7, 4, 3, 14)
+        cache_shape, capacity = (14, page_size), 3 * page_size
+    kwargs = dict(causal=True, sinks=make_sinks(3, 8))
+    q, k, v = make_inputs(45 + s_q, b=4, s_q=s_q, cache_shape=cache_shape, h_q=8, h_k=2)
+    o, lse = attention_with_kvcache(q, k, v, seqlens, page_table=table, return_lse=True, **kwargs)
+    clamped = np.clip(seqlens, 0, capacity)
+    check_result(o, lse, q, k, v, clamped, page_table=table, **kwargs)
+    if s_q > 1:  # the clamp is visible: without it, the causal mask of the long rows would hide nothing
+        o_unclamped, _ = kvcache_oracle(q, k, v, np.full(4, capacity, np.int32), page_table=table,
+                                        sinks=kwargs["sinks"])
+        assert np.abs(f64(o[1:3]) - o_unclamped[1:3]).max() > 1e-2
+
+
 def test_num_splits_does_not_change_the_result():
+    # On CPU num_splits only passes through (the reference has no split): each value must still give
+    # the oracle's result. That the kernel's splits do not change it is tests/test_gpu_kvcache.py's
+    # test_kvcache_decode_splits / test_kvcache_num_splits_agree.
     q, k, v = make_inputs(40, b=4, s_q=4, cache_shape=(4, CAPACITY), h_q=8, h_k=2)
-    runs = [attention_with_kvcache(q, k, v, SEQLENS, causal=True, num_splits=n, return_lse=True) for n in (None, 1, 3)]
-    for n, (o, lse) in zip((1, 3), runs[1:]):
-        np.testing.assert_array_equal(f64(o), f64(runs[0][0]), err_msg=f"{n=}")
-        np.testing.assert_array_equal(lse, runs[0][1], err_msg=f"{n=}")
+    for n in (None, 1, 3):
+        o, lse = attention_with_kvcache(q, k, v, SEQLENS, causal=True, num_splits=n, return_lse=True)
+        check_result(o, lse, q, k, v, SEQLENS, causal=True)
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -192,8 +238,10 @@ def no_run(monkeypatch):
 @pytest.mark.parametrize(
     "num_splits,error,message",
     [
-        (0, ValueError, r"num_splits must be >= 1 \(or None: pick at run time\); got num_splits=0"),
-        (-1, ValueError, r"num_splits must be >= 1 \(or None: pick at run time\); got num_splits=-1"),
+        (0, ValueError, r"num_splits must be in \[1, 256\] \(the kernel's maximum; or None: pick at run time\); "
+                        r"got num_splits=0"),
+        (-1, ValueError, r"num_splits must be in \[1, 256\].*got num_splits=-1"),
+        (257, ValueError, r"num_splits must be in \[1, 256\].*got num_splits=257"),
         (True, TypeError, r"num_splits must be None \(pick at run time\) or a Python int >= 1; got num_splits=True"),
         (1.5, TypeError, r"num_splits must be None \(pick at run time\) or a Python int >= 1; got num_splits=1\.5"),
     ],
@@ -264,6 +312,15 @@ def test_bad_inputs_rejected_before_running(case, no_run):
     q, k, v, seqlens, table = make()
     with pytest.raises(error, match=message):
         attention_with_kvcache(q, k, v, seqlens, page_table=table)
+
+
+@pytest.mark.parametrize("window_size", [(-1, 1), (5, 1), (0, 7)])
+def test_causal_with_a_right_window_rejected(window_size, no_run):
+    # causal=True means no key after the diagonal: a right window of even one key contradicts it.
+    q, k, v, seqlens, _ = _args()
+    with pytest.raises(ValueError, match=r"causal=True means window_size\[1\] = 0 \(no key after the diagonal\); "
+                                         rf"got window_size=\({window_size[0]}, {window_size[1]}\)"):
+        attention_with_kvcache(q, k, v, seqlens, causal=True, window_size=window_size)
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks the CPU message")
@@ -390,6 +447,17 @@ def test_update_paged():
     assert check_update(k, v, k_new, v_new, seqlens, table) == 12
 
 
+@pytest.mark.parametrize("page_size", [32, 64, 128, 256])
+def test_update_paged_page_sizes(page_size):
+    # The page size is the pool's axis 1, whatever it is: a writer that assumed 16 would put tokens
+    # into the wrong page and slot here.
+    table = shuffled_page_table(74 + page_size, 3, 2, 7, share=False)
+    k, v, k_new, v_new = _update_inputs(75, (7, page_size), 3, 5)
+    # Inside the first page, across the page boundary, and past the last page (the last 2 dropped).
+    seqlens = np.array([3, page_size - 2, 2 * page_size - 3], np.int32)
+    assert check_update(k, v, k_new, v_new, seqlens, table) == 13
+
+
 # Each case drops some tokens and writes others: a dropped write that wraps (a negative index) or
 # clamps onto a real slot changes the cache where it must stay unchanged.
 OUT_OF_RANGE = {
@@ -410,13 +478,15 @@ def test_update_drops_positions_outside_the_cache(case):
     assert check_update(k, v, k_new, v_new, np.array(seqlens, np.int32), table) == n_written
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_update_then_attend_equals_dense_attention(paged):
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256], ids=["contiguous", "paged16", "paged64", "paged256"])
+def test_update_then_attend_equals_dense_attention(page_size):
     # Speculative decode: append 3 tokens, then let those 3 queries attend causally to everything.
     b, s_new, h_q, h_k = 3, 3, 8, 2
-    seqlens = np.array([0, 13, 29], np.int32)
+    paged = page_size is not None
+    ps = page_size or 16
+    seqlens = np.array([0, ps - 3, 2 * ps - 3], np.int32)  # the last two write across a page boundary
     table = shuffled_page_table(80, b, 3, 10, share=False) if paged else None
-    k, v, k_new, v_new = _update_inputs(81 + paged, (10, 16) if paged else (b, 48), b, s_new, h_k)
+    k, v, k_new, v_new = _update_inputs(81 + paged, (10, ps) if paged else (b, 48), b, s_new, h_k)
     q = draw(np.random.default_rng(83), (b, s_new, h_q, D))
     sinks = make_sinks(84, h_q)
 
@@ -479,7 +549,7 @@ BAD_UPDATES = {
     "k_new_fewer_heads": (lambda: _bad_update(new_heads=1), ValueError,
                           r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and dtype; "
                           r"got k_new \(2, 3, 1, 64\) bfloat16, k_cache \(2, 8, 2, 64\) bfloat16"),
-    "k_new_dtype": (lambda: _bad_update(new_dtype=jnp.float16), (TypeError, ValueError),
+    "k_new_dtype": (lambda: _bad_update(new_dtype=jnp.float16), ValueError,
                     r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and dtype; "
                     r"got k_new \(2, 3, 2, 64\) float16, k_cache \(2, 8, 2, 64\) bfloat16"),
     "v_new_shape": (lambda: _bad_update(v_new_len=2), ValueError,

@@ -206,6 +206,10 @@ def test_multi_platform_export_runs_reference_on_cpu():
     o_want, lse_want = attention_reference(q, k, v, **ref_kwargs)
     np.testing.assert_array_equal(f32(o), f32(o_want))
     np.testing.assert_array_equal(lse, lse_want)
+    # ... and right: the float64 oracle, within the reference's own error (see test_reference.py).
+    o64, lse64 = attention_oracle(q, k, v, xp=np, **ref_kwargs)
+    np.testing.assert_allclose(np.asarray(o, np.float64), o64, rtol=1.01 * 2.0**-8, atol=2e-5)
+    np.testing.assert_allclose(lse, lse64, rtol=0, atol=1e-4)
 
 
 def _vmap_export(in_axes, with_sinks, n=3):
@@ -266,9 +270,12 @@ def test_vmap_folds_into_one_custom_call(in_axes, with_sinks, operand_types):
         (dict(window_left=-2), ValueError, r"window_size values must be >= -1 \(-1 = unbounded\); got window_size=\(-2, -1\)"),
         (dict(window_right=1.5), TypeError, r"window_size must be a pair of Python ints.*\(right is float\)"),
         (dict(window_left=True), TypeError, r"window_size must be a pair of Python ints.*\(left is bool\)"),
-        (dict(softcap=-1.0), ValueError, r"softcap must be finite and >= 0 \(0 = off\); got softcap=-1\.0"),
+        (dict(softcap=-1.0), ValueError, r"softcap must be in \[0, 1e\+06\] \(0 = off\); got softcap=-1\.0"),
         (dict(softcap="30"), TypeError, r"softcap must be a Python float; got '30'"),
-        (dict(softcap=1e38), ValueError, r"softcap=1e\+38 with softmax_scale=0\.1 is out of float32 range"),
+        (dict(softcap=1e38), ValueError, r"softcap must be in \[0, 1e\+06\] \(0 = off\); got softcap=1e\+38"),
+        # softcap * log2(e) is subnormal while softmax_scale / softcap is still normal (it can no longer
+        # overflow: softcap <= 1e6).
+        (dict(softcap=5e-39, softmax_scale=1e-30), ValueError, r"softcap=5e-39 with softmax_scale=1e-30 is out of float32 range"),
         (dict(has_sinks=1), TypeError, r"has_sinks must be a Python bool; got has_sinks=1"),
         (dict(has_sinks=True), ValueError, r"has_sinks=True but sinks is absent"),
         # v1's `causal` param no longer exists: a stale caller fails loudly instead of being ignored.
@@ -298,6 +305,29 @@ def test_direct_bind_validates_sinks(sinks, has_sinks, error, message):
         jax.eval_shape(lambda q, k, v, s: fa4_fwd_p.bind(q, k, v, s, **params), *specs(), sinks)
 
 
+@pytest.mark.parametrize("window_size", [(-1, 1), (3, 1)])
+@pytest.mark.parametrize("entry", ["dense", "kvcache", "varlen"])
+def test_references_reject_causal_with_a_right_window(entry, window_size):
+    # The primitives' XLA bodies take causal too (the primitives themselves take it folded into
+    # window_right): causal with a right window of even one key contradicts itself.
+    from fa4_jax.reference import attention_varlen_reference, attention_with_kvcache_reference
+
+    rng = np.random.default_rng(3)
+    x = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(jnp.bfloat16)  # noqa: E731
+    kw = dict(causal=True, window_size=window_size, softmax_scale=0.125)
+    message = (r"causal=True means window_size\[1\] = 0 \(no key after the diagonal\); "
+               rf"got window_size=\({window_size[0]}, 1\)")
+    with pytest.raises(ValueError, match=message):
+        if entry == "dense":
+            attention_reference(x(1, 4, 2, 64), x(1, 6, 2, 64), x(1, 6, 2, 64), **kw)
+        elif entry == "kvcache":
+            attention_with_kvcache_reference(x(1, 2, 2, 64), x(1, 8, 2, 64), x(1, 8, 2, 64), np.array([5], np.int32),
+                                             **kw)
+        else:
+            cu = np.array([0, 4], np.int32)
+            attention_varlen_reference(x(4, 2, 64), x(4, 2, 64), x(4, 2, 64), cu, cu, **kw)
+
+
 def test_fa4_fwd_validates_before_binding():
     # The internal binder checks too, with the same messages as the public API.
     with pytest.raises(ValueError, match=r"window_size values must be >= -1"):
@@ -324,6 +354,9 @@ def test_eager_auto_param_on_cpu_uses_reference():
     o_want, lse_want = attention_reference(q, k, v, softmax_scale=0.2, window_size=(2, 1), softcap=4.0, sinks=sinks)
     np.testing.assert_array_equal(f32(o), f32(o_want))
     np.testing.assert_array_equal(lse, lse_want)
+    o64, lse64 = attention_oracle(q, k, v, softmax_scale=0.2, window_size=(2, 1), softcap=4.0, sinks=sinks, xp=np)
+    np.testing.assert_allclose(np.asarray(o, np.float64), o64, rtol=1.01 * 2.0**-11, atol=2e-5)
+    np.testing.assert_allclose(lse, lse64, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("platforms", [["cpu"], ["cpu", "cuda"]])

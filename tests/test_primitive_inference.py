@@ -350,10 +350,31 @@ def test_varlen_reference_lowering_has_no_custom_call(implementation, platforms)
 
 
 @pytest.mark.parametrize("shape", [dict(total_q=0), dict(total_k=0), dict(b=0)], ids=["total_q0", "total_k0", "batch0"])
-def test_varlen_zero_size_never_reaches_the_kernel(shape):
-    args = vl_specs(d=64, **shape)
-    _, text = export_text(lambda *a: vl_bind(*a), args, ["cuda"], disabled_checks=())
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_varlen_zero_size_never_reaches_the_kernel(shape, with_sinks):
+    args = vl_specs(d=64, h_q=4, h_k=2, sinks=jnp.float32 if with_sinks else None, **shape)
+    f = lambda q, k, v, cu_q, cu_k, *sinks: vl_bind(q, k, v, cu_q, cu_k, None, *sinks, window_left=3,  # noqa: E731
+                                                    window_right=0)
+    _, text = export_text(f, args, ["cuda"], disabled_checks=())
     assert custom_calls(text) == [], f"{custom_calls(text)=}"
+
+    # The multi-platform artifact, called here: o = 0 everywhere; lse = -inf / the sink logit (the
+    # rows of sequences without keys, and rows past cu_seqlens_q[-1], see nothing but the sink).
+    exported, _ = export_text(f, args, ["cpu", "cuda"])
+    total_q, h_q = args[0].shape[:2]
+    b = args[3].shape[0] - 1
+    cu_q = np.linspace(0, total_q, b + 1).astype(np.int32)  # the query rows split over the sequences
+    cu_k = np.linspace(0, args[1].shape[0], b + 1).astype(np.int32)
+    rng = np.random.default_rng(1)
+    values = [rng.standard_normal(s.shape, dtype=np.float32).astype(s.dtype) for s in args[:3]] + [cu_q, cu_k]
+    if with_sinks:
+        values.append(np.array([0.5, -1.0, 2.0, -np.inf], np.float32))
+    o, lse = exported.call(*values)
+    assert (o.shape, o.dtype) == (args[0].shape, jnp.bfloat16)
+    assert (lse.shape, lse.dtype) == ((h_q, total_q), jnp.float32)
+    assert np.all(f32(o) == 0.0)
+    want = values[-1][:, None] if with_sinks else -np.inf
+    np.testing.assert_array_equal(lse, np.broadcast_to(want, (h_q, total_q)))
 
 
 # -- vmap: one kernel launch under the CUDA lowering ----------------------------------------------

@@ -211,6 +211,11 @@ BAD_ARGS = {
                         r'implementation="fa4" cannot run here: the varlen kernels support head_dim \(64, 128, 256\), got 96'),
     "cudnn": ({}, dict(implementation="cudnn"), ValueError,
               r'implementation must be None, "fa4" or "xla"; got implementation=\'cudnn\''),
+    "causal_right_window_1": ({}, dict(causal=True, window_size=(4, 1)), ValueError,
+                              r"causal=True means window_size\[1\] = 0 \(no key after the diagonal\); "
+                              r"got window_size=\(4, 1\)"),
+    "causal_right_window_only": ({}, dict(causal=True, window_size=(-1, 1)), ValueError,
+                                 r"causal=True means window_size\[1\] = 0.*got window_size=\(-1, 1\)"),
     "bad_sinks": ({}, dict(sinks=np.zeros(2, np.float32)), ValueError,
                   r"sinks must have shape \(heads_q,\) = \(4,\); got sinks\.shape=\(2,\)"),
 }
@@ -252,14 +257,16 @@ def test_jit_with_traced_offsets():
 
 
 def test_max_seqlen_hints_do_not_change_the_result():
+    # On CPU the hints only pass through (the reference has no grid to size): each must still give the
+    # oracle's result. That the kernel's grid, sized by max_seqlen_q, does not change it is
+    # tests/test_gpu_varlen.py's test_varlen_max_seqlen_hints.
     q, k, v, cu_q, cu_k = make_packed(70)
-    kwargs = dict(causal=True, window_size=(6, -1), sinks=make_sinks(71, 8), return_lse=True)
-    o, lse = attention_varlen(q, k, v, cu_q, cu_k, **kwargs)
+    opts = dict(causal=True, window_size=(6, -1), sinks=make_sinks(71, 8))
     # Exact and loose bounds (a hint below the true maximum breaks the contract, so none is tried).
-    runs = [attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=40, max_seqlen_k=60, **kwargs),
-            attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=64, **kwargs),
+    runs = [attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **opts),
+            attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=40, max_seqlen_k=60, return_lse=True, **opts),
+            attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=64, return_lse=True, **opts),
             jax.jit(attention_varlen, static_argnames=STATIC)(q, k, v, cu_q, cu_k, max_seqlen_q=55, max_seqlen_k=128,
-                                                              **kwargs)]
-    for i, (o_h, lse_h) in enumerate(runs):
-        np.testing.assert_array_equal(f64(o_h), f64(o), err_msg=f"run {i}")
-        np.testing.assert_array_equal(lse_h, lse, err_msg=f"run {i}")
+                                                              return_lse=True, **opts)]
+    for o, lse in runs:
+        check_result(o, lse, q, k, v, cu_q, cu_k, **opts)
