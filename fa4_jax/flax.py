@@ -320,7 +320,7 @@ class FA4Attention(nnx.Module):
         if self.cache_lengths is None:
             raise ValueError("FA4Attention has no cache to reset: call init_cache first")
         lengths = self.cache_lengths[...]
-        self.cache_lengths[...] = jnp.zeros_like(lengths) if rows is None else lengths.at[rows].set(0)
+        self.cache_lengths[...] = jnp.zeros_like(lengths) if rows is None else lengths.at[jnp.asarray(rows)].set(0)
 
     def __call__(self, inputs_q: Array, inputs_k: Array | None = None, inputs_v: Array | None = None, *,
                  decode: bool = False, lengths: Array | None = None, positions: Array | None = None) -> Array:

@@ -1,0 +1,95 @@
+"""Hostile inputs that used to be accepted and give garbage or a raw error (issue 13 §2), on the
+reference path; the kernels' side is in tests/test_gpu_isolation.py."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from oracle import attention_oracle
+
+SPECIAL_SINKS = np.array([np.inf, -np.inf, np.nan, 1.5], np.float32)
+
+
+def _qkv(seed, shape_q, shape_kv, magnitude=1.0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(magnitude * rng.standard_normal(shape_q), jnp.bfloat16),
+            jnp.asarray(magnitude * rng.standard_normal(shape_kv), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal(shape_kv), jnp.bfloat16))
+
+
+def _check_sinks(o, lse, head_axis_o, head_axis_lse, sinks, want_finite_o, what):
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    for h, sink in enumerate(sinks):
+        oh, lh = np.take(o, h, axis=head_axis_o), np.take(lse, h, axis=head_axis_lse)
+        if np.isposinf(sink):  # the sink takes the whole mass
+            assert (oh == 0).all() and np.isposinf(lh).all(), f"{what}: head {h}, sink +inf: o={oh.max()}, lse={lh}"
+        elif np.isnan(sink):  # a NaN the row sees makes the row NaN
+            assert np.isnan(oh).all() and np.isnan(lh).all(), f"{what}: head {h}, sink NaN"
+        else:
+            # finite, or -inf for a row that sees no key and has no sink
+            assert not np.isnan(lh).any() and not np.isposinf(lh).any(), f"{what}: head {h}, sink {sink}: lse {lh}"
+            assert np.isfinite(oh).all() == want_finite_o, f"{what}: head {h}"
+
+
+def test_sink_semantics_dense_matches_oracle_for_finite_and_minus_inf():
+    q, k, v = _qkv(0, (2, 9, 4, 64), (2, 13, 2, 64))
+    sinks = jnp.asarray(SPECIAL_SINKS)
+    o, lse = fa4_jax.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    _check_sinks(o, lse, 2, 1, SPECIAL_SINKS, True, "dense")
+    # -inf is no sink at all; a finite sink is the oracle's.
+    o_none, lse_none = fa4_jax.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(o)[:, :, 1], np.asarray(o_none)[:, :, 1])
+    o_r, lse_r = attention_oracle(q, k, v, causal=True, softmax_scale=0.125, sinks=np.where(
+        np.isfinite(SPECIAL_SINKS), SPECIAL_SINKS, -np.inf))
+    np.testing.assert_allclose(np.asarray(o, np.float32)[:, :, 3], o_r[:, :, 3], atol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse)[:, 3], lse_r[:, 3], atol=1e-4)
+
+
+def test_sink_semantics_rows_without_keys_kvcache_and_varlen():
+    q, k, v = _qkv(1, (2, 1, 4, 64), (2, 40, 2, 64))
+    sinks = jnp.asarray(SPECIAL_SINKS)
+    o, lse = fa4_jax.attention_with_kvcache(q, k, v, jnp.asarray([40, 0], jnp.int32), sinks=sinks, return_lse=True)
+    _check_sinks(o, lse, 2, 1, SPECIAL_SINKS, True, "kvcache")
+    cu = jnp.asarray([0, 5, 5], jnp.int32)  # the second sequence is empty
+    o, lse = fa4_jax.attention_varlen(q.reshape(2, 4, 64)[:1].repeat(5, 0), k[0, :5], v[0, :5], cu, cu, sinks=sinks,
+                                      return_lse=True)
+    _check_sinks(o, lse, 1, 0, SPECIAL_SINKS, True, "varlen")
+
+
+@pytest.mark.parametrize("scale,magnitude", [(1e4, 1.0), (1.0, 100.0), (0.125, 1000.0), (1e-30, 1.0)])
+def test_large_scaled_scores_are_exact(scale, magnitude):
+    """Scores times scale up to ~1e7: the reference stays exact (the oracle in float64). 1e8 used to
+    return NaN; now scales above 1e4 are rejected and everything accepted is finite and right."""
+    q, k, v = _qkv(2, (1, 33, 4, 64), (1, 47, 4, 64), magnitude)
+    o, lse = fa4_jax.attention(q, k, v, softmax_scale=scale, return_lse=True)
+    o_r, lse_r = attention_oracle(q, k, v, softmax_scale=scale)
+    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_r, atol=8e-3 * np.abs(o_r).max())
+    np.testing.assert_allclose(np.asarray(lse), lse_r, rtol=1e-6, atol=1e-4)
+
+
+def test_softmax_scale_above_the_resolvable_range_is_rejected():
+    q, k, v = _qkv(3, (1, 4, 2, 64), (1, 4, 2, 64))
+    for scale in (1e8, 1e38):
+        with pytest.raises(ValueError, match=r"softmax_scale must be a normal float32 in about 1\.2e-38 \.\. 10000"):
+            fa4_jax.attention(q, k, v, softmax_scale=scale)
+        with pytest.raises(ValueError, match=r"\.\. 10000"):
+            fa4_jax.attention_with_kvcache(q, k, v, jnp.asarray([4], jnp.int32), softmax_scale=scale)
+
+
+@pytest.mark.parametrize("num_splits", [257, 10**6, 2**40])
+def test_num_splits_above_the_kernel_maximum_is_rejected(num_splits):
+    q, k, v = _qkv(4, (1, 1, 2, 64), (1, 8, 2, 64))
+    with pytest.raises(ValueError, match=rf"num_splits must be in \[1, 256\] \(the kernel's maximum; or None: pick at "
+                                         rf"run time\); got num_splits={num_splits}"):
+        fa4_jax.attention_with_kvcache(q, k, v, jnp.asarray([8], jnp.int32), num_splits=num_splits)
+
+
+def test_num_splits_at_the_maximum_is_accepted():
+    q, k, v = _qkv(5, (1, 1, 2, 64), (1, 8, 2, 64))
+    o = fa4_jax.attention_with_kvcache(q, k, v, jnp.asarray([8], jnp.int32), num_splits=256)
+    o_r, _ = attention_oracle(q, k, v, softmax_scale=0.125)
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_r, atol=1e-2)
