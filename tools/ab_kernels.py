@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Same-run A/B of two builds of the kernel library: the rows a kernel change can move, each library
+in its own process (one library per process: the FFI targets share names), alternated A B A B so
+board drift hits both alike.
+
+    python tools/ab_kernels.py A=fa4_jax/_lib/libfa4_jax.so B=.base_lib/libfa4_jax.so [--rounds 2]
+    python tools/ab_kernels.py --child            # one library's numbers as JSON (FA4_JAX_LIBRARY)
+
+Rows (bf16, device time = 20 dependent calls inside one jitted, unrolled fori_loop, GUIDE.md §5;
+prefill rows = back-to-back calls): decode 32/8 heads d128 at 1 x 8k, 1 x 32k, 8 x 32k with full
+caches and with lengths 37 short of a 128-key block (the tail a KV cache usually has), contiguous and
+paged (page 64); varlen 8 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and
+hd64 1k causal. Prints, per row, the median over rounds of each library's time and B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from benchmark import time_per_call
+
+    import fa4_jax
+
+    tp = dict(batches=5, target_batch_s=0.05)
+    out = {}
+
+    def looped(step, n=20):
+        def run(q, *rest):
+            def body(i, carry):
+                o = step(q + carry.astype(q.dtype) * 0, *rest)
+                return carry + o[0, 0, 0].astype(jnp.float32).reshape(-1)[0]
+            return jax.lax.fori_loop(0, n, body, jnp.float32(0), unroll=True)
+        return jax.jit(run), n
+
+    def normal(key, shape):
+        return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+
+    h_q, h_k, d = 32, 8, 128
+    for b, cap in [(1, 8192), (1, 32768), (8, 32768)]:
+        ks = jax.random.split(jax.random.key(b * cap), 3)
+        q = normal(ks[0], (b, 1, h_q, d))
+        k, v = normal(ks[1], (b, cap, h_k, d)), normal(ks[2], (b, cap, h_k, d))
+        kp, vp = (x.reshape(b * cap // 64, 64, h_k, d) for x in (k, v))
+        table = jax.random.permutation(ks[0], b * cap // 64).reshape(b, cap // 64).astype(jnp.int32)
+        for tail, n in (("full", cap), ("tail", cap - 37)):
+            lens = jnp.full((b,), n, jnp.int32)
+            f, reps = looped(lambda q, k, v, lens: fa4_jax.attention_with_kvcache(q, k, v, lens, implementation="fa4"))
+            out[f"decode {b}x{cap // 1024}k {tail}"] = time_per_call(f, [(q, k, v, lens)], **tp) / reps
+            f, reps = looped(lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(
+                q, k, v, lens, page_table=t, implementation="fa4"))
+            out[f"decode {b}x{cap // 1024}k {tail} paged64"] = time_per_call(f, [(q, kp, vp, lens, table)], **tp) / reps
+
+    lens = [2000, 1999, 2001, 1950, 2047, 2000, 1000, 3053]
+    cu = jnp.asarray([0] + list(jnp.cumsum(jnp.asarray(lens))), jnp.int32)
+    total = int(cu[-1])
+    ks = jax.random.split(jax.random.key(7), 3)
+    qv, kv, vv = (normal(kk, (total, 16, 128)) for kk in ks)
+    f = jax.jit(lambda q, k, v, cu: fa4_jax.attention_varlen(q, k, v, cu, cu, max_seqlen_q=max(lens), causal=True,
+                                                             implementation="fa4"))
+    out["varlen 8x~2k causal"] = time_per_call(f, [(qv, kv, vv, cu)], **tp)
+
+    for hd, s, causal in [(128, 4096, False), (128, 4096, True), (64, 1024, True)]:
+        b, h = 16384 // s, 2048 // hd
+        ks = jax.random.split(jax.random.key(hd + s), 3)
+        q, k, v = (normal(kk, (b, s, h, hd)) for kk in ks)
+        f = jax.jit(lambda q, k, v, c=causal: fa4_jax.attention(q, k, v, causal=c, implementation="fa4"))
+        out[f"prefill hd{hd} {s // 1024}k {'causal' if causal else 'full'}"] = time_per_call(f, [(q, k, v)], **tp)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("libs", nargs="*", help="NAME=path/to/libfa4_jax.so (two of them)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child()))
+        return 0
+    libs = dict(x.split("=", 1) for x in args.libs)
+    if len(libs) != 2:
+        ap.error("give exactly two NAME=path libraries")
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in libs}
+    for r in range(args.rounds):
+        for name, path in libs.items():
+            env = dict(os.environ, FA4_JAX_LIBRARY=os.path.abspath(path), PYTHONPATH=ROOT)
+            res = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True)
+            if res.returncode:
+                print(res.stderr[-3000:], file=sys.stderr)
+                return 1
+            for row, t in json.loads(res.stdout.strip().splitlines()[-1]).items():
+                times[name].setdefault(row, []).append(t)
+            print(f"round {r + 1}: {name} done", flush=True)
+    a, b = list(libs)
+    print(f"\n{'row':<32} {a + ' us':>10} {b + ' us':>10} {b + '/' + a:>8}   (median of {args.rounds} rounds)")
+    for row in times[a]:
+        ta, tb = statistics.median(times[a][row]), statistics.median(times[b][row])
+        print(f"{row:<32} {ta * 1e6:10.1f} {tb * 1e6:10.1f} {tb / ta:8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(times, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
