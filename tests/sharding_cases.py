@@ -1,6 +1,12 @@
 """Sharded dense attention on 8 host devices (run as a script by tests/test_sharding.py, which sets
 --xla_force_host_platform_device_count=8 before jax starts). Prints one JSON line per case:
-{"case", "max_err_o", "max_err_lse", "collectives": [[op, bytes], ...], "out_spec"}."""
+{"case", "max_err_o", "max_err_lse", "o_ulp_ratio", "o_cp_ratio", "collectives": [[op, bytes], ...],
+"out_spec", ...}: the errors of the sharded call against the unsharded one, and two error ratios (<= 1
+passes; see tests/test_sharding.py for which applies to which case):
+  o_ulp_ratio  max |got - want| / (eps_bf16 |want| + 1e-6): one bf16 rounding apart at most;
+  o_cp_ratio   max |got - want| / (1.01 u (P|V| + 2 |want|) + 1e-6), P|V| the unsharded call with |V|:
+               the bound for merged bf16 partials (context parallelism).
+Every case goes through run_fn, so every case's collectives are parsed from its compiled HLO."""
 
 from __future__ import annotations
 
@@ -50,19 +56,32 @@ def run(name, mesh, q_spec, kv_spec, *, h_q=8, h_k=8, s=64, d=64, sink_spec=None
     run_fn(name, mesh, f, (q, k, v, sinks), (q_spec, kv_spec, kv_spec, sink_spec or P()))
 
 
-def run_fn(name, mesh, f, arrays, specs, *, cache_bytes=0, partial_bytes=0, tail_bytes=0):
-    """f(*arrays) -> (o, lse) on sharded arrays vs unsharded; reports collectives."""
-    want = jax.jit(f)(*arrays)
+EPS_BF16 = 2.0**-7  # spacing of bf16 numbers in [1, 2); u = EPS_BF16 / 2 is its unit roundoff
+
+
+def run_fn(name, mesh, f, arrays, specs, *, want_fn=None, cache_bytes=0, partial_bytes=0, tail_bytes=0):
+    """f(*arrays) -> (o, lse) on sharded arrays vs want_fn (default f) on unsharded ones; reports the
+    errors and the collectives of f's compiled program. arrays[2] is V (every case's layout)."""
+    want_fn = f if want_fn is None else want_fn
+    want = jax.jit(want_fn)(*arrays)
+    # P|V|: the same unsharded attention with |V|, per element the weighted mean of |v| over the row's keys.
+    p_abs_v = jax.jit(want_fn)(*arrays[:2], jnp.abs(arrays[2]), *arrays[3:])[0]
     args = tuple(jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip(arrays, specs))
     jf = jax.jit(f)
     got = jf(*args)
     text = jf.lower(*args).compile().as_text()
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    err_o = np.abs(f32(got[0]) - f32(want[0]))
+    with np.errstate(invalid="ignore"):  # -inf - -inf in rows without keys, masked out below
+        err_lse = np.where(np.isfinite(f32(want[1])), f32(got[1]) - f32(want[1]), 0.0)
+    u = EPS_BF16 / 2
     print(json.dumps(dict(
         case=name,
-        max_err_o=float(np.abs(f32(got[0]) - f32(want[0])).max()),
+        max_err_o=float(err_o.max()),
+        o_ulp_ratio=float((err_o / (EPS_BF16 * np.abs(f32(want[0])) + 1e-6)).max()),
+        o_cp_ratio=float((err_o / (1.01 * u * (np.abs(f32(p_abs_v)) + 2 * np.abs(f32(want[0]))) + 1e-6)).max()),
         # -inf (rows without keys) must match exactly (lse_inf_match); compare the finite rest.
-        max_err_lse=float(np.abs(np.where(np.isfinite(f32(want[1])), f32(got[1]) - f32(want[1]), 0.0)).max()),
+        max_err_lse=float(np.abs(err_lse).max()),
         lse_inf_match=bool((np.isneginf(f32(got[1])) == np.isneginf(f32(want[1]))).all()),
         collectives=collectives(text),
         out_spec=str(got[0].sharding.spec),
@@ -106,8 +125,11 @@ def kvcache_cases(m24, m8):
     run_fn("kv_cp_sliding_window_chunk_sinks", m8, kv(causal=True, window_size=(20, -1)),
            (q3, kc, vc, jnp.array([2, 33, 64, 200], jnp.int32), sinks), cp + (P(),), cache_bytes=cache_bytes,
            tail_bytes=tail(23))
-    # A left window longer than the cache: its tail would be the whole cache, so the key axis is gathered.
-    run_fn("kv_window_covers_cache_gathered", m8, kv(window_size=(300, 0)), (q1, kc, vc, lens), cp)
+    # A left window whose tail (s_q + left keys) spans the whole cache without covering every key from
+    # every query (254 < capacity - 1: not trimmed to "unbounded"): the key axis is gathered. (A left
+    # window of >= capacity - 1 keys is trimmed to none, and then the call is context parallel.)
+    run_fn("kv_window_covers_cache_gathered", m8, kv(window_size=(254, 0)), (q3, kc, vc, lens), cp,
+           cache_bytes=cache_bytes)
     # Paged: batch sharded, the pool replicated (every row may point at any page).
     ps, n_pages = 16, 70
     pool_k, pool_v = bf(ks[1], (n_pages, ps, h_k, d)), bf(ks[2], (n_pages, ps, h_k, d))
@@ -164,14 +186,10 @@ def main():
     run("window", m24, P("data", None, "model"), P("data", None, "model"), window_size=(9, 3))
     # shard_map: the primitive on local shards, explicit specs.
     q, k, v, _ = inputs(4, 64, 64, 8, 8, 64)
-    spec = P("data", None, "model")
-    sm = jax.jit(jax.shard_map(lambda q, k, v: fa4_jax.attention(q, k, v, causal=True, implementation="xla"),
-                               mesh=m24, in_specs=(spec, spec, spec), out_specs=spec))
-    got = sm(*(jax.device_put(x, NamedSharding(m24, spec)) for x in (q, k, v)))
-    want = fa4_jax.attention(q, k, v, causal=True, implementation="xla")
-    print(json.dumps(dict(case="shard_map", max_err_o=float(np.abs(np.asarray(got, np.float32)
-                                                                       - np.asarray(want, np.float32)).max()),
-                          max_err_lse=0.0, collectives=[], out_spec=str(spec), q_bytes=0)), flush=True)
+    spec, lse_spec = P("data", None, "model"), P("data", "model", None)
+    plain = lambda q, k, v: fa4_jax.attention(q, k, v, causal=True, return_lse=True, implementation="xla")  # noqa: E731
+    sm = jax.jit(jax.shard_map(plain, mesh=m24, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec)))
+    run_fn("shard_map", m24, sm, (q, k, v), (spec, spec, spec), want_fn=plain)
     kvcache_cases(m24, m8)
     varlen_cases(m24)
     # vmap composes with the sharded lowering: vmap over 2 query sets, batch sharded.
@@ -181,14 +199,10 @@ def main():
     run_fn("vmap_batch", m24, fv, (qs, k, v), (P(None, "data"), P("data"), P("data")))
     # Export of a sharded program: shard_map (no custom_partitioning callback inside) serializes; the
     # deserialized program runs on the same 8-device mesh.
-    spec = P("data", None, "model")
     exported = jax.export.export(sm)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m24, spec))
                                        for x in (q, k, v)))
     restored = jax.export.deserialize(exported.serialize())
-    out = restored.call(*(jax.device_put(x, NamedSharding(m24, spec)) for x in (q, k, v)))
-    print(json.dumps(dict(case="export_shard_map", max_err_o=float(np.abs(np.asarray(out, np.float32)
-                                                                              - np.asarray(want, np.float32)).max()),
-                          max_err_lse=0.0, collectives=[], out_spec=str(spec), q_bytes=0)), flush=True)
+    run_fn("export_shard_map", m24, restored.call, (q, k, v), (spec, spec, spec), want_fn=plain)
     return 0
 
 

@@ -24,6 +24,25 @@ GATHERED = ["qseq_causal_replicated", "head_dim_replicated", "kv_window_covers_c
 CONTEXT_PARALLEL = ["kv_cp_decode", "kv_cp_decode_batch", "kv_cp_paged_decode", "kv_cp_paged_full_sinks",
                     "kv_cp_causal_chunk", "kv_cp_window_right", "kv_cp_sliding_window", "kv_cp_sliding_window_chunk_sinks",
                     "kv_cp_paged_causal_chunk", "kv_cp_paged_sliding_window"]
+# How close the sharded result must be to the unsharded one (O and LSE):
+# - BITWISE: each device runs the reference on whole rows with the same shapes per (batch, kv head)
+#   matmul (batch, MHA heads, whole KV groups) or on gathered operands: the same numbers.
+# - ROUNDED: a GQA group's query heads split over devices (or a KV group per device) changes the
+#   shapes of the score and P @ V matmuls, and XLA:CPU orders a dot's float32 reduction by its shapes
+#   (see reference.attention_reference's query_chunk note). The float32 values agree to summation
+#   order, so O is at most one bf16 rounding apart (|dO| <= eps_bf16 |O|) and LSE a few float32 ulps.
+#   On GPUs the kernel computes each (row, head) tile alike whatever the grid: test_gpu_sharding.py
+#   asserts bitwise equality there.
+# - CONTEXT_PARALLEL: partials over disjoint key ranges, each rounded to bf16 (error <= u |o_i|), merged
+#   in float32 by their LSE weights w_i and rounded once more. Per element, with u = 2**-8:
+#     |O_sharded - O| <= u (sum_i w_i |o_i| + 2 |O|) <= u (P|V| + 2 |O|),
+#   P|V| the row's softmax weights applied to |V| (the unsharded call on |V|; sum_i w_i |o_i| <= P|V|
+#   since each |o_i| <= P_i |V|). A bound relative to each row's own values: a long row whose |O| is
+#   small next to |V| keeps its margin, and a dropped or doubled key block (O moves by ~|V| / n for n
+#   keys, LSE by ~1/n) fails it at these lengths. LSE: merged in float32, a few ulps.
+ROUNDED = ["gqa_heads_divide_kv", "gqa_more_shards_than_kv", "kv_batch_heads"]
+BITWISE = [c for c in NO_COLLECTIVE + GATHERED if c not in ROUNDED]
+LSE_ULPS_ATOL = 1e-5  # ~20 float32 ulps at |lse| ~ 4-8 (these inputs); one key more or less moves it >= 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +57,27 @@ def cases() -> dict:
 
 def test_every_case_ran(cases):
     assert set(NO_COLLECTIVE + GATHERED + CONTEXT_PARALLEL) == set(cases)
+    assert set(BITWISE + ROUNDED + CONTEXT_PARALLEL) == set(cases)
 
 
-@pytest.mark.parametrize("case", NO_COLLECTIVE + GATHERED + CONTEXT_PARALLEL)
-def test_sharded_equals_unsharded(cases, case):
+@pytest.mark.parametrize("case", BITWISE)
+def test_sharded_equals_unsharded_bitwise(cases, case):
     c = cases[case]
-    # Same reference computation per shard; only bf16 rounding of different reduction orders differs
-    # (and, for context parallelism, of the bf16 partial outputs before the merge).
-    assert c["max_err_o"] <= 2e-2, c
-    assert c["max_err_lse"] <= 1e-4, c
-    assert c.get("lse_inf_match", True), c
+    assert c["max_err_o"] == 0.0 and c["max_err_lse"] == 0.0 and c["lse_inf_match"], c
+
+
+@pytest.mark.parametrize("case", ROUNDED)
+def test_sharded_equals_unsharded_to_one_rounding(cases, case):
+    c = cases[case]
+    assert c["o_ulp_ratio"] <= 1.0, c
+    assert c["max_err_lse"] <= LSE_ULPS_ATOL and c["lse_inf_match"], c
+
+
+@pytest.mark.parametrize("case", CONTEXT_PARALLEL)
+def test_context_parallel_within_the_merge_bound(cases, case):
+    c = cases[case]
+    assert c["o_cp_ratio"] <= 1.0, c
+    assert c["max_err_lse"] <= LSE_ULPS_ATOL and c["lse_inf_match"], c
 
 
 @pytest.mark.parametrize("case", CONTEXT_PARALLEL)
@@ -84,9 +114,11 @@ def test_causal_query_sequence_is_gathered_once(cases):
 @pytest.mark.parametrize("case", ["head_dim_replicated", "kv_window_covers_cache_gathered", "varlen_tokens_replicated"])
 def test_unsupported_shardings_are_gathered(cases, case):
     """head_dim, the cache of a call whose left window spans the whole cache, and varlen token axes
-    are all-gathered first (the documented reshard), and the result is still exact."""
+    are all-gathered first (the documented reshard), and the result is exact (BITWISE)."""
     c = cases[case]
     assert c["collectives"] and all(op == "all-gather" for op, _ in c["collectives"]), c
+    if case == "kv_window_covers_cache_gathered":  # the cache itself moves, not (o, lse) partials
+        assert max(n for _, n in c["collectives"]) >= c["cache_bytes"] > 0, c
 
 
 def _cache_runs(tmp_path, mode: str) -> list[list[str]]:
