@@ -1,53 +1,93 @@
-"""Shared pytest setup: the `gpu` marker and its auto-skip.
+"""Shared pytest setup: the `gpu` and `kernel_family` markers, when GPU tests run, skip or fail, and the
+end-of-run count of kernel cases.
 
 Tests marked `@pytest.mark.gpu` need a CUDA GPU of compute capability 9.x (Hopper) visible to jax: the
-only architecture the shipped kernels are built for. Everywhere else they are skipped with a reason
-that says what was found, so a CPU-only CI run stays green and fast.
+only architecture the shipped kernels are built for. Without a GPU they are skipped with a reason that
+says what was found, so a CPU-only CI run stays green and fast. On a GPU host a broken setup fails
+them instead (tests/gpu_menu.py says exactly when).
+
+`@pytest.mark.kernel_family("kvcache", ...)` names the kernel families a GPU test runs; the run ends
+with one line per family: how many of its cases ran on the kernel and how many were skipped (with
+pytest-xdist, counted in the controller from each report's user_properties).
 """
 
 from __future__ import annotations
 
-import functools
+import collections
 
 import pytest
 
+import gpu_menu
+
 GPU_MARKER = "gpu: needs a CUDA GPU of compute capability 9.x (Hopper) visible to jax; skipped elsewhere"
+FAMILY_MARKER = ("kernel_family(*names): the kernel families (fa4_jax.families: fwd, kvcache, varlen) a gpu test "
+                 "runs, counted in the end-of-run summary; no names: none")
+FAMILY_PROPERTY = "fa4_kernel_families"  # user_properties key: travels with every report, also from xdist workers
 
 
 def pytest_configure(config):
     # Registered here rather than only in pyproject.toml so `--strict-markers` works whatever the
     # packaging config says.
     config.addinivalue_line("markers", GPU_MARKER)
-
-
-@functools.lru_cache(maxsize=None)
-def hopper_skip_reason() -> str | None:
-    """None when a GPU the kernels are built for is visible to jax, else why the gpu tests are skipped.
-
-    Asks fa4_jax._platform, the one place that decides whether the kernels can run on a device."""
-    import jax  # imported lazily: a run without gpu tests should not pay for it
-
-    from fa4_jax import _platform
-
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:  # CPU-only jaxlib, or the CUDA plugin failed to initialise
-        return f"no CUDA GPU visible to jax (default backend {jax.default_backend()!r})"
-    if not devices:
-        return "no CUDA GPU visible to jax"
-    return _platform.device_unavailable_reason(devices[0])
+    config.addinivalue_line("markers", FAMILY_MARKER)
 
 
 def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not gpu_items:
+    for item in items:
+        marker = item.get_closest_marker("kernel_family")
+        if marker is not None and marker.args:
+            item.user_properties.append((FAMILY_PROPERTY, ",".join(marker.args)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is None:
         return
-    reason = hopper_skip_reason()
-    if reason is None:
+    action, reason = gpu_menu.gpu_status()
+    if action == "fail":
+        pytest.fail(reason, pytrace=False)
+    if action == "skip":
+        pytest.skip(reason)
+
+
+# nodeid -> [families, outcome] of every kernel-family case reported to this process (with xdist, the
+# controller receives every worker's reports).
+_KERNEL_CASES: dict[str, list] = {}
+
+
+def _families(report) -> list[str]:
+    for entry in getattr(report, "user_properties", ()):
+        if len(entry) == 2 and entry[0] == FAMILY_PROPERTY:
+            return str(entry[1]).split(",")
+    return []
+
+
+def pytest_runtest_logreport(report):
+    families = _families(report)
+    if not families:
         return
-    skip = pytest.mark.skip(reason=reason)
-    for item in gpu_items:
-        item.add_marker(skip)
+    state = _KERNEL_CASES.setdefault(report.nodeid, [families, "error"])
+    if report.skipped:
+        state[1] = "skipped"
+    elif report.when == "call":
+        state[1] = "passed" if report.passed else "failed"
+    elif report.failed:  # setup (a broken GPU setup, a missing library) or teardown
+        state[1] = "failed" if state[1] in ("passed", "failed") else "error"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not _KERNEL_CASES:  # an xdist worker: the controller reports
+        return
+    counts = collections.defaultdict(collections.Counter)
+    for families, outcome in _KERNEL_CASES.values():
+        for family in families:
+            counts[family][outcome] += 1
+    terminalreporter.write_sep("=", "fa4_jax kernel cases")
+    for family in sorted(counts):
+        c = counts[family]
+        terminalreporter.write_line(
+            f"fa4_jax kernel cases, {family}: {c['passed'] + c['failed']} ran on the kernel ({c['passed']} passed, "
+            f"{c['failed']} failed), {c['skipped']} skipped, {c['error']} errors")
 
 
 @pytest.fixture
@@ -58,3 +98,9 @@ def kernel_library(monkeypatch):
     from fa4_jax import _platform
 
     monkeypatch.setattr(_platform, "library_reason", lambda make_variant: None)
+
+
+@pytest.fixture(scope="session")
+def kernel_variants() -> frozenset:
+    """The kernel library's variants (FFI targets registered); a GPU test without a usable library fails."""
+    return gpu_menu.kernel_variants()

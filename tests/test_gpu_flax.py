@@ -21,7 +21,7 @@ from flax import nnx
 
 from fa4_jax.flax import FA4Attention, dot_product_attention
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_variants")]
 
 U = 2.0**-8
 
@@ -48,6 +48,7 @@ def decode(m, x, lengths):
     return m(x, decode=True, lengths=lengths)
 
 
+@pytest.mark.kernel_family("fwd", "kvcache")
 @pytest.mark.parametrize("options", [dict(rope_theta=10000.0, use_sinks=True), dict(window_size=(100, 0), softcap=5.0)],
                          ids=["rope_sinks", "window_softcap"])
 def test_fa4attention_kernels_match_reference(options):
@@ -68,6 +69,7 @@ def test_fa4attention_kernels_match_reference(options):
     np.testing.assert_array_equal(fa4.cache_lengths[...], [303, 126])
 
 
+@pytest.mark.kernel_family("fwd")
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_attention_fn_in_multihead_attention(is_causal):
     x = jax.random.normal(jax.random.key(3), (2, 300, 256), jnp.float32)

@@ -25,7 +25,7 @@ from accuracy import check_against_reference, poison_allocator
 from oracle import attention_oracle, make_sinks
 from sharding_cases import collectives
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_variants")]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,7 @@ DENSE = {
 }
 
 
+@pytest.mark.kernel_family("fwd")
 @pytest.mark.parametrize("case", list(DENSE))
 def test_dense_prefill_sharded(mesh, case):
     h_q, h_k, spec, kv_spec, sink_spec, opts = DENSE[case]
@@ -98,6 +99,7 @@ def test_dense_prefill_sharded(mesh, case):
 # varlen, heads sharded (token axes are replicated by the rule)
 
 
+@pytest.mark.kernel_family("varlen")
 def test_varlen_heads_sharded(mesh):
     rng = np.random.default_rng(7)
     lens_q, lens_k = [300, 0, 1000, 17], [300, 5, 1200, 17]
@@ -156,6 +158,7 @@ CP_CASES = {
 }
 
 
+@pytest.mark.kernel_family("kvcache")
 @pytest.mark.parametrize("case", list(CP_CASES))
 def test_kvcache_context_parallel_contiguous(mesh, case):
     """The cache split along its length over two GPUs; row 0 lives entirely on the first device (the
@@ -181,6 +184,7 @@ def test_kvcache_context_parallel_contiguous(mesh, case):
     check_against_reference(got, xla, ref, what=f"context-parallel {case}")
 
 
+@pytest.mark.kernel_family("kvcache")
 @pytest.mark.parametrize("s_q", [1, 3])
 def test_kvcache_context_parallel_paged(mesh, s_q):
     """A page pool split by pages over two GPUs (pages 0..31 on the first, 32..63 on the second), the
@@ -205,6 +209,7 @@ def test_kvcache_context_parallel_paged(mesh, s_q):
                             what=f"paged context-parallel s_q={s_q}")
 
 
+@pytest.mark.kernel_family("kvcache")
 def test_kvcache_batch_and_heads_sharded(mesh):
     """Decode with batch over one axis of a 2-device mesh, then heads: no collective; per-shard split
     counts may differ from the single-device call, so the rule judges it against the oracle."""

@@ -1,7 +1,8 @@
 """The varlen kernel (fa4_jax/kernels/varlen_sm90.py) on the GPU (`@pytest.mark.gpu`) against the fp32
-oracle, with the accuracy rule of tests/accuracy.py: each sequence is plain attention of its own rows
-over its own keys (bottom-right aligned), rows past cu_seqlens_q[-1] are o = 0. Twice per case with
-fresh inputs after poisoning the allocator."""
+oracle, with the accuracy rule of tests/accuracy.py (O and LSE): each sequence is plain attention of its
+own rows over its own keys (bottom-right aligned), rows past cu_seqlens_q[-1] are o = 0. Twice per case
+with fresh inputs after poisoning the allocator. Every kernel call is implementation="fa4" (a missing
+kernel fails; tests/gpu_menu.py says when a case may skip)."""
 
 from __future__ import annotations
 
@@ -14,27 +15,23 @@ import pytest
 
 import fa4_jax
 from accuracy import check_against_reference, poison_allocator
-from fa4_jax.families import VarlenVariant, mask_kind
+from fa4_jax.families import FwdVariant, VarlenVariant, mask_kind
+from gpu_menu import require_variant
 from oracle import OPTION_CASES, attention_oracle, make_sinks
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("varlen")]
 
 
 @pytest.fixture(scope="module")
-def built():
-    from fa4_jax import _ffi
-
-    _ffi.register_targets()
-    return _ffi.compiled_variants()
+def built(kernel_variants):
+    return kernel_variants
 
 
 def _require(built, dtype, hd, opts):
     left, right = opts.get("window_size", (-1, -1))
     if opts.get("causal"):
         right = 0 if right < 0 else right
-    v = VarlenVariant("sm90", dtype, hd, mask_kind(left, right), opts.get("softcap", 0.0) > 0)
-    if v not in built:
-        pytest.skip(f"{v.symbol} not in the built menu (FA4_JAX_VARIANTS narrowed the build)")
+    require_variant(built, VarlenVariant("sm90", dtype, hd, mask_kind(left, right), opts.get("softcap", 0.0) > 0))
 
 
 def offsets(lengths):
@@ -111,39 +108,56 @@ def test_varlen_seqused_and_hint(built, case):
     run_varlen_case(built, SEQS, opts=OPTION_CASES[case], seqused=[6, 4, 7, 0, 200, 1], max_seqlen_q=300)
 
 
+@pytest.mark.parametrize("max_seqlen_q", [None, 300, 301, 4096], ids=["none", "exact", "exact_plus_1", "loose"])
+def test_varlen_max_seqlen_hints(built, max_seqlen_q):
+    """The kernel's grid is sized by max_seqlen_q (default total_q): an exact, a loose and no hint must
+    all give the oracle's result (on CPU the reference ignores the hint: tests/test_varlen.py)."""
+    run_varlen_case(built, SEQS, opts=OPTION_CASES["everything"], max_seqlen_q=max_seqlen_q, seed=7)
+
+
 @pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64)])
 def test_varlen_dtypes_head_dims(built, dtype, hd):
     run_varlen_case(built, SEQS, dtype=dtype, hd=hd, opts=dict(causal=True, sinks=make_sinks(0, 8)))
 
 
+@pytest.mark.kernel_family("varlen", "fwd")
 def test_varlen_equal_lengths_match_dense(built):
-    """Equal lengths: the same numbers as the dense kernel on the (batch, seqlen) view."""
+    """Equal lengths: the varlen kernel on the packed rows and the dense kernel on the (batch, seqlen)
+    view are both the same attention: each against the oracle by the accuracy rule."""
     _require(built, "bf16", 128, dict(causal=True))
+    require_variant(built, FwdVariant("sm90", "bf16", 128, "causal", False))
     b, s, h, d = 4, 384, 8, 128
     ks = jax.random.split(jax.random.key(5), 3)
     q, k, v = (jax.random.normal(x, (b * s, h, d), jnp.float32).astype(jnp.bfloat16) for x in ks)
     cu = jnp.asarray(offsets([s] * b))
-    o = fa4_jax.attention_varlen(q, k, v, cu, cu, max_seqlen_q=s, causal=True, implementation="fa4")
-    dense = fa4_jax.attention(*(x.reshape(b, s, h, d) for x in (q, k, v)), causal=True, implementation="fa4")
-    np.testing.assert_allclose(np.asarray(o, np.float32).reshape(b, s, h, d), np.asarray(dense, np.float32),
-                               atol=1e-2, rtol=0)
+    packed = {impl: fa4_jax.attention_varlen(q, k, v, cu, cu, max_seqlen_q=s, causal=True, return_lse=True,
+                                             implementation=impl) for impl in ("fa4", "xla")}
+    dense_in = tuple(x.reshape(b, s, h, d) for x in (q, k, v))
+    dense = {impl: fa4_jax.attention(*dense_in, causal=True, return_lse=True, implementation=impl)
+             for impl in ("fa4", "xla")}
+    ref = attention_oracle(*dense_in, causal=True, softmax_scale=d ** -0.5, xp=jnp)
+    as_dense = lambda t: (t[0].reshape(b, s, h, d), t[1].reshape(h, b, s).transpose(1, 0, 2))  # noqa: E731
+    check_against_reference(as_dense(packed["fa4"]), as_dense(packed["xla"]), ref, what="varlen, equal lengths")
+    check_against_reference(dense["fa4"], dense["xla"], ref, what="dense, the same rows")
 
 
 def test_varlen_vmap(built):
+    """vmap folds the slices into one packed call: each slice against the oracle (its own sequences)."""
     _require(built, "bf16", 128, {})
     n, h, d = 3, 4, 128
-    cu_q = jnp.asarray(np.stack([offsets([5, 70]), offsets([0, 75]), offsets([40, 20])]))
-    cu_k = jnp.asarray(np.stack([offsets([9, 100]), offsets([3, 50]), offsets([40, 1])]))
+    cu_q = np.stack([offsets([5, 70]), offsets([0, 75]), offsets([40, 20])])
+    cu_k = np.stack([offsets([9, 100]), offsets([3, 50]), offsets([40, 1])])
     ks = jax.random.split(jax.random.key(9), 3)
     q = jax.random.normal(ks[0], (n, 80, h, d), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(ks[1], (n, 120, h, d), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(ks[2], (n, 120, h, d), jnp.float32).astype(jnp.bfloat16)
-    f = functools.partial(fa4_jax.attention_varlen, implementation="fa4", return_lse=True)
-    o, lse = jax.jit(jax.vmap(f))(q, k, v, cu_q, cu_k)
+    call = lambda impl: functools.partial(fa4_jax.attention_varlen, implementation=impl, return_lse=True)  # noqa: E731
+    o, lse = jax.jit(jax.vmap(call("fa4")))(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    o_x, lse_x = jax.jit(jax.vmap(call("xla")))(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    add_b = lambda t: (t[0][None], t[1][None])  # noqa: E731
     for i in range(n):
-        oi, li = f(q[i], k[i], v[i], cu_q[i], cu_k[i])
-        np.testing.assert_allclose(np.asarray(o[i], np.float32), np.asarray(oi, np.float32), atol=1e-2, rtol=0)
-        np.testing.assert_allclose(np.asarray(lse[i]), np.asarray(li), atol=1e-4, rtol=0)
+        ref = _oracle(q[i], k[i], v[i], cu_q[i], cu_k[i], None, {})
+        check_against_reference(add_b((o[i], lse[i])), add_b((o_x[i], lse_x[i])), add_b(ref), what=f"vmap slice {i}")
 
 
 def test_varlen_broken_offsets_stay_in_bounds(built):
