@@ -5,11 +5,18 @@ when the answer is no; implementation="fa4" raises with the reason); the tests' 
 examples ask the same functions. "Here" means: the device is a GPU whose compute capability has
 kernels (fa4_jax.families.ARCH_CC), the built library has the requested variant, its FFI targets are
 registered, and the variant's module actually loads on that device.
+
+FA4_JAX_DISABLE_KERNELS=1 (read on every question, so setting it in a running process works for every
+program lowered afterwards) hides the kernels: every answer is then "no", and implementation=None
+takes the path of a GPU without kernels (cuDNN where it computes exactly the call, else the reference;
+see fa4_jax/cudnn.py). For tests and comparisons; the library stays registered for programs that
+already call it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 from fa4_jax.families import ARCH_CC, default_menu
@@ -18,8 +25,14 @@ _BUILD_HINT = (
     "Build the kernel library with `pip install .` (or `python tools/build_inplace.py`) on a machine "
     "with the CUDA toolkit, or point FA4_JAX_LIBRARY at a built libfa4_jax.so."
 )
+DISABLE_KERNELS_ENV = "FA4_JAX_DISABLE_KERNELS"
 # "9.0" -> "sm90": jax reports compute capability as "major.minor".
 _ARCH_BY_CAPABILITY = {f"{cc // 10}.{cc % 10}": arch for arch, cc in ARCH_CC.items()}
+
+
+def kernels_disabled() -> bool:
+    """FA4_JAX_DISABLE_KERNELS is set to a true value ("1", "true", "yes", "on"; read at every call)."""
+    return os.environ.get(DISABLE_KERNELS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def default_device():
@@ -87,6 +100,8 @@ def unavailable_reason(make_variant: Callable[[str], object], device=None) -> st
 
 def _variant_reason(variant) -> str | None:
     """None when the kernel library holds `variant`, else why not."""
+    if kernels_disabled():
+        return f"the fa4_jax kernels are hidden by {DISABLE_KERNELS_ENV}={os.environ[DISABLE_KERNELS_ENV]}"
     try:
         from fa4_jax import _ffi
     except ImportError as e:

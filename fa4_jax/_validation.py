@@ -17,7 +17,7 @@ from fa4_jax.families.kvcache import MAX_SPLITS
 
 # The kernels are compiled for these input dtypes only (see fa4_jax.families.DTYPES).
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-IMPLEMENTATIONS = ("fa4", "xla", "auto")  # the primitives' param; "auto" = the API's None
+IMPLEMENTATIONS = ("fa4", "xla", "auto", "cudnn")  # the primitives' param; "auto" = the API's None
 
 
 def dtype_tag(dtype) -> str:

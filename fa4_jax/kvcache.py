@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from fa4_jax import cudnn
 from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
 from fa4_jax.attention import Implementation, _trim_window, resolve_with_head_dims
 from fa4_jax.families.kvcache import HEAD_DIMS as KVCACHE_HEAD_DIMS
@@ -47,7 +48,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
       num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
         the GPU's SM count; an int >= 1 forces it (kernel only; the result does not depend on it
         beyond float rounding). Splits are merged by an LSE-weighted combine in the same call.
-      implementation: None, "fa4" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64, 128, 256).
+      implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64, 128,
+        256). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
+        softcap or sinks, and a causal mask or window only when seqlen_q == 1 (no left window).
 
     A row with no visible key (cache_seqlens 0, a window that excludes everything) gives o = 0 and
     lse = -inf (with sinks: lse = the sink logit).
@@ -66,9 +69,10 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, num_splits=num_splits or 0)
-    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
-                                            head_dim, KVCACHE_HEAD_DIMS, "KV-cache")
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
+    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            head_dim, KVCACHE_HEAD_DIMS, "KV-cache",
+                                            (cudnn.KVCACHE, operands, params))
     o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
 

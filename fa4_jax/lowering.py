@@ -1,4 +1,4 @@
-"""How every per-shard primitive (fa4_*_local) lowers: the kernel or the reference, per platform.
+"""How every per-shard primitive (fa4_*_local) lowers: the kernel, cuDNN or the reference, per platform.
 
 The choice is made here, at lowering time, for the platform being lowered for, not when the call is
 traced. So one traced program serves every target: `jax.jit` on a Hopper GPU emits the kernel, on a
@@ -6,22 +6,26 @@ CPU the reference, and `jax.export(..., platforms=("cpu", "cuda"))` on any host 
 
 The primitive's `implementation` param:
 - "xla": the reference everywhere.
-- "auto" (the API's implementation=None): on CUDA the kernel when it can serve the call, else the
-  reference; on every other platform the reference.
+- "auto" (the API's implementation=None): on CUDA the kernel when it can serve the call, else cuDNN
+  when it computes exactly the call on the target GPUs (fa4_jax/cudnn.py), else the reference; on
+  every other platform the reference.
 - "fa4": the kernel, or a clear error while lowering (never a silent fallback).
+- "cudnn": jax's cuDNN flash attention, or a clear error while lowering.
 
 "Can serve the call" (fa4_jax._platform.lowering_reason): when the lowering targets devices of this
 process that are GPUs (jax.jit on a GPU host), each must be a supported GPU on which the variant's
 module loads; when it targets none (jax.export, or export for CUDA from a CPU host) the kernel
 library must hold the variant, and the FFI handler checks the GPU when the program runs (an
-unsupported device gets an FFI error naming it).
+unsupported device gets an FFI error naming it). cuDNN is chosen for "auto" only when the target
+GPUs are known (its conditions depend on the GPU and the cuDNN version): a program lowered without
+them keeps the kernel-or-reference choice.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from fa4_jax import _compat, _platform
+from fa4_jax import _compat, _platform, cudnn
 
 
 def target_devices(ctx) -> tuple:
@@ -37,37 +41,74 @@ def target_devices(ctx) -> tuple:
     return tuple(devices)
 
 
-def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callable,
-                             variant: Callable, is_empty: Callable) -> None:
-    """Lowering rules of a per-shard primitive.
+# The public entry point of each per-shard primitive: it names the primitive's cuDNN mapping
+# (fa4_jax/cudnn.py) and the kernels in error messages.
+ENTRY_POINTS = {"fa4_fwd_local": cudnn.ATTENTION, "fa4_kvcache_local": cudnn.KVCACHE,
+                "fa4_varlen_local": cudnn.VARLEN}
 
-    reference(*operands, **params) / kernel(*operands, **params): the two bodies (traceable).
+
+def _no_variant_reason(entry: str, make_variant: Callable[[str], object]) -> str | None:
+    """Why no kernel variant exists for the call (e.g. a head_dim its family is not built for), or None.
+    A variant dataclass refuses unsupported fields with ValueError/TypeError."""
+    for arch in sorted(_platform.shipped_arches()):
+        try:
+            make_variant(arch)
+        except (ValueError, TypeError) as e:
+            return f"the {entry} kernels do not cover this call ({e})"
+    return None
+
+
+def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callable, variant: Callable,
+                             is_empty: Callable) -> None:
+    """Lowering rules of a per-shard primitive (one named in ENTRY_POINTS).
+
+    reference(*operands, **params) / kernel(*operands, **params): the two bodies (traceable); the
+      cuDNN body comes from fa4_jax.cudnn by the primitive's entry point.
     variant(arch, dtype, head_dim, params): the kernel variant the call needs on `arch` (the
       primitive's kernel_variant; dtype and head_dim are those of the first operand, q).
     is_empty(avals_in, params): a zero-size problem, which the reference answers without a launch."""
+    entry = ENTRY_POINTS[local_prim.name]
     reference_lowering = _compat.lower_fun(reference, multiple_results=True)
     kernel_lowering = _compat.lower_fun(kernel, multiple_results=True)
+    cudnn_body = cudnn.body(entry)
+    cudnn_lowering = None if cudnn_body is None else _compat.lower_fun(cudnn_body, multiple_results=True)
 
     def other_platforms(ctx, *operands, **params):
-        if params["implementation"] == "fa4":
+        implementation = params["implementation"]
+        if implementation in ("fa4", "cudnn"):
             # (a multi-platform lowering calls this rule for every platform but CUDA)
             platforms = ", ".join(p for p in ctx.module_context.platforms if p != "cuda")
+            target = "an NVIDIA Hopper GPU (CUDA)" if implementation == "fa4" else "an NVIDIA GPU (CUDA)"
             raise RuntimeError(
-                f'implementation="fa4" cannot run here: the program is lowered for {platforms}, not an NVIDIA '
-                'Hopper GPU (CUDA). Use implementation=None (the kernel on CUDA, the reference elsewhere) or "xla"')
+                f'implementation="{implementation}" cannot run here: the program is lowered for {platforms}, not '
+                f'{target}. Use implementation=None (the kernel or cuDNN on CUDA, the reference elsewhere) or "xla"')
         return reference_lowering(ctx, *operands, **params)
 
     def cuda(ctx, *operands, **params):
         implementation = params["implementation"]
-        if implementation == "xla" or is_empty(ctx.avals_in, params):
+        if implementation == "xla":
+            return reference_lowering(ctx, *operands, **params)
+        devices = target_devices(ctx)
+        if implementation == "cudnn":
+            reason = cudnn.cudnn_reason(entry, ctx.avals_in, params)
+            if reason is None:
+                # Without known target GPUs, jax's cuDNN checks read this process's GPU.
+                gpus = [d for d in devices if getattr(d, "platform", None) == "gpu"] or cudnn.local_cuda_gpus()
+                reason = cudnn.device_reason(gpus, ctx.avals_in[0].shape[-1])
+            if reason is not None:
+                raise RuntimeError(f'implementation="cudnn" cannot run here: {reason}')
+            return cudnn_lowering(ctx, *operands, **params)
+        if is_empty(ctx.avals_in, params):
             return reference_lowering(ctx, *operands, **params)
         q = ctx.avals_in[0]
-        reason = _platform.lowering_reason(lambda arch: variant(arch, q.dtype, q.shape[-1], params),
-                                           target_devices(ctx))
+        make_variant = lambda arch: variant(arch, q.dtype, q.shape[-1], params)  # noqa: E731
+        reason = _no_variant_reason(entry, make_variant) or _platform.lowering_reason(make_variant, devices)
         if reason is None:
             return kernel_lowering(ctx, *operands, **params)
         if implementation == "fa4":
             raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
+        if cudnn_lowering is not None and cudnn.auto_reason(entry, ctx.avals_in, params, devices) is None:
+            return cudnn_lowering(ctx, *operands, **params)
         return reference_lowering(ctx, *operands, **params)
 
     _compat.register_lowering(local_prim, other_platforms)

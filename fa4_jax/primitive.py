@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import _compat, sharding
+from fa4_jax import _compat, _platform, cudnn, sharding
 from fa4_jax._validation import (
     check_flag,
     check_implementation,
@@ -94,13 +94,20 @@ fa4_fwd_local_p.def_abstract_eval(_abstract_eval)
 
 
 def define_jitted_impl(prim) -> None:
-    """Eager calls of `prim` compile the same way jitted ones do: one cached executable per param set."""
+    """Eager calls of `prim` compile the same way jitted ones do: one cached executable per param set
+    and per setting of the environment switches the lowering reads (FA4_JAX_DISABLE_KERNELS,
+    FA4_JAX_DISABLE_CUDNN), so flipping one in a running process takes effect for eager calls too."""
 
     @functools.lru_cache(maxsize=None)
-    def jitted(**params):
+    def jitted(switches, **params):
+        del switches  # part of the cache key only
         return jax.jit(functools.partial(prim.bind, **params))
 
-    prim.def_impl(lambda *operands, **params: jitted(**params)(*operands))
+    def impl(*operands, **params):
+        switches = (_platform.kernels_disabled(), cudnn.cudnn_disabled())
+        return jitted(switches, **params)(*operands)
+
+    prim.def_impl(impl)
 
 
 define_jitted_impl(fa4_fwd_p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 from jax.typing import ArrayLike
 
+from fa4_jax import cudnn
 from fa4_jax._validation import check_flag, check_options, check_varlen
 from fa4_jax.attention import Implementation, _trim_window, resolve_with_head_dims
 from fa4_jax.families.varlen import HEAD_DIMS as VARLEN_HEAD_DIMS
@@ -35,7 +36,9 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
       seqused_k: optional int32 (batch,): use only the first seqused_k[b] keys of sequence b.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`, with
         masks aligned to the bottom-right corner of each sequence.
-      implementation: None, "fa4" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64, 128, 256).
+      implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64,
+        128, 256). Packed batches have no exact cuDNN mapping: None runs the reference where no
+        kernel serves the call, and "cudnn" raises ValueError.
 
     Query rows past cu_seqlens_q[-1] belong to no sequence: o = 0 there.
     Returns o like q, or (o, lse) with lse float32 (heads_q, total_q).
@@ -49,9 +52,9 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
                   has_seqused=seqused_k is not None, has_sinks=sinks is not None, max_seqlen_q=int(max_seqlen_q or 0))
-    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
-                                            head_dim, VARLEN_HEAD_DIMS, "varlen")
     operands = tuple(x for x in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks) if x is not None)
+    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            head_dim, VARLEN_HEAD_DIMS, "varlen", (cudnn.VARLEN, operands, params))
     o, lse = fa4_varlen_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
 
