@@ -13,6 +13,15 @@ holds it, every other platform gets the reference. The CUDA program names the ke
 FFI target (one per kernel family, versioned with its ABI: `fa4_jax_fwd_v2`, ...), which the
 serving host's `import fa4_jax` registers from its own library; the handler picks the variant for the
 GPU it runs on and returns an FFI error naming the device if that GPU has no kernels.
+
+Forgetting `disabled_checks` makes jax.export refuse the kernel calls; its error lists each refused
+call with its location, and fa4_jax lowers every kernel call inside `jax.named_scope(EXPORT_HINT)`,
+so that location reads "fa4_jax: jax.export needs disabled_checks=fa4_jax.export_safety_checks()".
+
+A program that uses cuDNN (implementation="cudnn", or None on a GPU without our kernels: see
+fa4_jax/cudnn.py) calls jax's `__cudnn$fmha*` custom calls, which jax does not guarantee stable
+either; exporting it needs `jax.export.DisabledSafetyCheck.custom_call(...)` for those targets too.
+implementation=None never picks cuDNN while exporting (the target GPU is not known then).
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ import jax
 from fa4_jax.families import FAMILIES
 
 __all__ = ["export_safety_checks", "ffi_targets"]
+
+# The name scope of every kernel call (fa4_jax/lowering.py): it shows in jax.export's error.
+EXPORT_HINT = "fa4_jax: jax.export needs disabled_checks=fa4_jax.export_safety_checks()"
 
 
 def ffi_targets() -> tuple[str, ...]:

@@ -19,13 +19,20 @@ library must hold the variant, and the FFI handler checks the GPU when the progr
 unsupported device gets an FFI error naming it). cuDNN is chosen for "auto" only when the target
 GPUs are known (its conditions depend on the GPU and the cuDNN version): a program lowered without
 them keeps the kernel-or-reference choice.
+
+Kernel calls are lowered inside `jax.named_scope(EXPORT_HINT)`: the scope becomes part of the custom
+call's location, which jax.export prints next to each custom call it refuses, so the error names
+`fa4_jax.export_safety_checks()`. It changes nothing else (same call, same attributes).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import jax
+
 from fa4_jax import _compat, _platform, cudnn
+from fa4_jax.export import EXPORT_HINT
 
 
 def target_devices(ctx) -> tuple:
@@ -39,6 +46,14 @@ def target_devices(ctx) -> tuple:
         devices = getattr(mesh, "devices", None)
         devices = () if devices is None else tuple(getattr(devices, "flat", devices))
     return tuple(devices)
+
+
+def _with_export_hint(kernel: Callable) -> Callable:
+    def kernel_in_scope(*operands, **params):
+        with jax.named_scope(EXPORT_HINT):
+            return kernel(*operands, **params)
+
+    return kernel_in_scope
 
 
 # The public entry point of each per-shard primitive: it names the primitive's cuDNN mapping
@@ -59,17 +74,19 @@ def _no_variant_reason(entry: str, make_variant: Callable[[str], object]) -> str
 
 
 def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callable, variant: Callable,
-                             is_empty: Callable) -> None:
+                             is_empty: Callable, shape_reason: Callable | None = None) -> None:
     """Lowering rules of a per-shard primitive (one named in ENTRY_POINTS).
 
     reference(*operands, **params) / kernel(*operands, **params): the two bodies (traceable); the
       cuDNN body comes from fa4_jax.cudnn by the primitive's entry point.
     variant(arch, dtype, head_dim, params): the kernel variant the call needs on `arch` (the
       primitive's kernel_variant; dtype and head_dim are those of the first operand, q).
-    is_empty(avals_in, params): a zero-size problem, which the reference answers without a launch."""
+    is_empty(avals_in, params): a zero-size problem, which the reference answers without a launch.
+    shape_reason(avals_in, params): optional; why the kernel cannot take these shapes (e.g. a symbolic
+      dimension it needs as a static bound), or None."""
     entry = ENTRY_POINTS[local_prim.name]
     reference_lowering = _compat.lower_fun(reference, multiple_results=True)
-    kernel_lowering = _compat.lower_fun(kernel, multiple_results=True)
+    kernel_lowering = _compat.lower_fun(_with_export_hint(kernel), multiple_results=True)
     cudnn_body = cudnn.body(entry)
     cudnn_lowering = None if cudnn_body is None else _compat.lower_fun(cudnn_body, multiple_results=True)
 
@@ -102,7 +119,8 @@ def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callabl
             return reference_lowering(ctx, *operands, **params)
         q = ctx.avals_in[0]
         make_variant = lambda arch: variant(arch, q.dtype, q.shape[-1], params)  # noqa: E731
-        reason = _no_variant_reason(entry, make_variant) or _platform.lowering_reason(make_variant, devices)
+        reason = ((shape_reason and shape_reason(ctx.avals_in, params)) or _no_variant_reason(entry, make_variant)
+                  or _platform.lowering_reason(make_variant, devices))
         if reason is None:
             return kernel_lowering(ctx, *operands, **params)
         if implementation == "fa4":

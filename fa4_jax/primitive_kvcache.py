@@ -11,6 +11,8 @@ _batch_rule). Inference only.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ import numpy as np
 from fa4_jax import _compat, sharding
 from fa4_jax._validation import dtype_tag
 from fa4_jax.families import KVCacheVariant, mask_kind
-from fa4_jax.families.kvcache import KVCACHE, auto_split_capacity
+from fa4_jax.families.kvcache import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
 from fa4_jax.lowering import register_local_lowerings
 from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
 from fa4_jax.reference import attention_with_kvcache_reference
@@ -66,13 +68,23 @@ def _reference(*operands, softmax_scale, window_left, window_right, softcap, has
 
 
 def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
-    """The split workspace's extent: the forced count, or what num_splits=None may pick."""
+    """The split workspace's extent: the forced count, or what num_splits=None may pick.
+
+    Always a static int, also for symbolic (shape-polymorphic) dimensions: the extent is then an upper
+    bound valid for every value they take at run time. auto_split_capacity grows with the keys and
+    shrinks with batch x heads x query rows, so a symbolic factor of the latter counts as its least
+    value 1, and symbolic keys as unbounded (MAX_SPLITS bounds the extent). The handler picks the
+    split count within the extent it gets."""
     if num_splits:
         return num_splits
+    static = lambda d: isinstance(d, int)  # noqa: E731
     b, s_q, h_q, _ = q_shape
     h_k = k_shape[2]
-    keys = k_shape[1] * (page_table_shape[1] if page_table_shape is not None else 1)
-    return auto_split_capacity(b, h_k, s_q * (h_q // h_k), keys)
+    group = h_q // h_k if static(h_q) and static(h_k) else 1
+    rows = (s_q if static(s_q) else 1) * group
+    key_dims = (k_shape[1], *(() if page_table_shape is None else (page_table_shape[1],)))
+    keys = math.prod(key_dims) if all(map(static, key_dims)) else MAX_SPLITS * SPLIT_BLOCK_KEYS
+    return auto_split_capacity(b if static(b) else 1, h_k if static(h_k) else 1, rows, keys)
 
 
 def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVariant:

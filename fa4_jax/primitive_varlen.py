@@ -77,7 +77,23 @@ def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, h
     )
     return call(q, k, v, cu_q, cu_k, used, sinks, softmax_scale=np.float32(softmax_scale),
                 softcap=np.float32(softcap), window_left=np.int32(window_left), window_right=np.int32(window_right),
-                max_seqlen_q=np.int32(min(max_seqlen_q, total_q) if max_seqlen_q else total_q))
+                max_seqlen_q=np.int32(_grid_rows(total_q, max_seqlen_q)))
+
+
+def _grid_rows(total_q, max_seqlen_q: int) -> int:
+    """The static bound on a sequence's queries that sizes the grid (the handler clamps it to total_q)."""
+    if not isinstance(total_q, int):  # symbolic: _symbolic_reason made sure a hint is given
+        return max_seqlen_q
+    return min(max_seqlen_q, total_q) if max_seqlen_q else total_q
+
+
+def _symbolic_reason(avals, params) -> str | None:
+    """The kernel's grid needs a static bound on each sequence's queries: total_q, or the max_seqlen_q hint."""
+    total_q = avals[0].shape[0]
+    if isinstance(total_q, int) or params["max_seqlen_q"]:
+        return None
+    return (f"q has a symbolic number of tokens ({total_q}); the varlen kernel needs a static bound on each "
+            "sequence's queries: pass max_seqlen_q")
 
 
 def _is_empty(avals, params) -> bool:
@@ -87,7 +103,7 @@ def _is_empty(avals, params) -> bool:
 
 
 register_local_lowerings(fa4_varlen_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
-                         variant=kernel_variant)
+                         variant=kernel_variant, shape_reason=_symbolic_reason)
 sharding.register(fa4_varlen_p, fa4_varlen_local_p, *sharding.varlen_rules)
 
 

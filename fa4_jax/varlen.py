@@ -33,6 +33,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
       max_seqlen_q, max_seqlen_k: optional static hints (ints) bounding the sequence lengths. The
         kernel's grid is sized by max_seqlen_q (default: total_q): a tighter bound launches fewer
         empty tiles. It must hold: query rows of a sequence past max_seqlen_q are not computed.
+        Exporting with a symbolic token count, the kernel needs max_seqlen_q (without it the CUDA
+        lowering runs the reference, and "fa4" raises).
       seqused_k: optional int32 (batch,): use only the first seqused_k[b] keys of sequence b.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`, with
         masks aligned to the bottom-right corner of each sequence.

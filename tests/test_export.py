@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -66,3 +67,139 @@ def test_export_safety_checks_name_every_target():
     checks = fa4_jax.export_safety_checks()
     assert len(checks) == len(ffi_targets()) == 3
     assert {str(c) for c in checks} == {f"custom_call:{t}" for t in ffi_targets()}
+
+
+# -- symbolic (shape-polymorphic) shapes --------------------------------------------------------------
+
+def _symbolic_export(fn, specs, platforms):
+    return jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=fa4_jax.export_safety_checks())(*specs)
+
+
+def _bf16(rng, *shape):
+    return rng.standard_normal(shape, dtype=np.float32).astype(jnp.bfloat16)
+
+
+def test_split_capacity_with_symbolic_dims_bounds_every_value():
+    # The workspace extent must be static and hold every split count num_splits=None may pick for any
+    # value the symbolic dims take at run time.
+    from fa4_jax.primitive_kvcache import split_capacity
+
+    b, cap = jax.export.symbolic_shape("b, cap")
+    for h_q, h_k, s_q in [(8, 2, 1), (32, 8, 1), (8, 8, 4), (4, 1, 1)]:
+        for q_shape, k_shape, table in [((b, s_q, h_q, 128), (b, cap, h_k, 128), None),
+                                        ((b, s_q, h_q, 128), (b, 640, h_k, 128), None),
+                                        ((2, s_q, h_q, 128), (2, cap, h_k, 128), None),
+                                        ((b, s_q, h_q, 128), (40, 64, h_k, 128), (b, cap))]:
+            extent = split_capacity(q_shape, k_shape, table, 0)
+            assert isinstance(extent, int) and 1 <= extent <= 256, extent
+            for bv in (1, 2, 64):
+                for cv in (1, 640, 100_000):
+                    concrete = lambda shape: tuple(bv if d is b else cv if d is cap else d for d in shape)  # noqa: E731
+                    want = split_capacity(concrete(q_shape), concrete(k_shape),
+                                          None if table is None else concrete(table), 0)
+                    assert want <= extent, (q_shape, k_shape, table, bv, cv, want, extent)
+    assert split_capacity((b, 1, 8, 128), (b, cap, 2, 128), None, 7) == 7  # a forced count is the extent
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_symbolic_batch_and_capacity_exports_and_runs(kernel_library, paged):
+    b, n = jax.export.symbolic_shape("b, n")
+    h_q, h_k, d = 8, 2, 128
+    if paged:  # n = pages per row: capacity 64 * n
+        specs = [jax.ShapeDtypeStruct(s, t) for s, t in [((b, 1, h_q, d), jnp.bfloat16), ((24, 64, h_k, d), jnp.bfloat16),
+                                                       ((24, 64, h_k, d), jnp.bfloat16), ((b,), jnp.int32),
+                                                       ((b, n), jnp.int32)]]
+        fn = lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(q, k, v, lens, page_table=t, causal=True)  # noqa: E731
+    else:
+        specs = [jax.ShapeDtypeStruct(s, t) for s, t in [((b, 1, h_q, d), jnp.bfloat16), ((b, n, h_k, d), jnp.bfloat16),
+                                                       ((b, n, h_k, d), jnp.bfloat16), ((b,), jnp.int32)]]
+        fn = lambda q, k, v, lens: fa4_jax.attention_with_kvcache(q, k, v, lens, causal=True)  # noqa: E731
+    cuda = _symbolic_export(fn, specs, ["cuda"])
+    assert kernel_calls(cuda) == ["fa4_jax_kvcache_v1"]
+    # The split workspace results have a static extent (the bound over every b and capacity).
+    (call,) = [line for line in cuda.mlir_module().splitlines() if "custom_call @fa4_jax_kvcache_v1" in line]
+    workspace = re.findall(r"tensor<(\d+)x\?x1x8x128xf32>", call)
+    assert len(workspace) == 1 and 1 <= int(workspace[0]) <= 256, call[-400:]
+
+    both = _symbolic_export(fn, specs, ["cpu", "cuda"])
+    rng = np.random.default_rng(1)
+    for bv, nv in [(2, 5), (3, 2)]:
+        q = _bf16(rng, bv, 1, h_q, d)
+        lens = rng.integers(0, 64 * nv if paged else nv, bv, endpoint=True).astype(np.int32)
+        if paged:
+            k, v = _bf16(rng, 24, 64, h_k, d), _bf16(rng, 24, 64, h_k, d)
+            args = (q, k, v, lens, rng.permutation(24)[: bv * nv].reshape(bv, nv).astype(np.int32))
+        else:
+            args = (q, _bf16(rng, bv, nv, h_k, d), _bf16(rng, bv, nv, h_k, d), lens)
+        got, want = both.call(*args), jax.jit(fn)(*args)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_varlen_symbolic_number_of_sequences_exports_and_runs(kernel_library):
+    (n,) = jax.export.symbolic_shape("n")
+    t, h_q, h_k, d = 96, 8, 2, 64
+    specs = [jax.ShapeDtypeStruct((t, h_q, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, h_k, d), jnp.bfloat16),
+             jax.ShapeDtypeStruct((t, h_k, d), jnp.bfloat16), jax.ShapeDtypeStruct((n + 1,), jnp.int32),
+             jax.ShapeDtypeStruct((n + 1,), jnp.int32)]
+    fn = lambda q, k, v, cq, ck: fa4_jax.attention_varlen(q, k, v, cq, ck, causal=True)  # noqa: E731
+    assert kernel_calls(_symbolic_export(fn, specs, ["cuda"])) == ["fa4_jax_varlen_v1"]
+    both = _symbolic_export(fn, specs, ["cpu", "cuda"])
+    rng = np.random.default_rng(2)
+    q, k, v = _bf16(rng, t, h_q, d), _bf16(rng, t, h_k, d), _bf16(rng, t, h_k, d)
+    for cu_q, cu_k in [([0, 96], [0, 96]), ([0, 10, 10, 60, 90], [0, 30, 31, 80, 96])]:
+        args = (q, k, v, np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32))
+        np.testing.assert_array_equal(np.asarray(both.call(*args), np.float32), np.asarray(jax.jit(fn)(*args), np.float32))
+
+
+def test_varlen_symbolic_tokens_need_max_seqlen_q_for_the_kernel(kernel_library):
+    # The kernel's grid needs a static bound on each sequence's queries: without max_seqlen_q a symbolic
+    # token count runs the reference on CUDA (None) or raises naming the dimension ("fa4").
+    n, t = jax.export.symbolic_shape("n, t")
+    specs = [jax.ShapeDtypeStruct((t, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((t, 2, 64), jnp.bfloat16),
+             jax.ShapeDtypeStruct((t, 2, 64), jnp.bfloat16), jax.ShapeDtypeStruct((n + 1,), jnp.int32),
+             jax.ShapeDtypeStruct((n + 1,), jnp.int32)]
+
+    def fn(**kw):
+        return lambda q, k, v, cq, ck: fa4_jax.attention_varlen(q, k, v, cq, ck, causal=True, **kw)
+
+    assert kernel_calls(_symbolic_export(fn(), specs, ["cuda"])) == []
+    assert kernel_calls(_symbolic_export(fn(max_seqlen_q=512), specs, ["cuda"])) == ["fa4_jax_varlen_v1"]
+    with pytest.raises(RuntimeError, match=r'"fa4" cannot run here: q has a symbolic number of tokens \(t\).*max_seqlen_q'):
+        _symbolic_export(fn(implementation="fa4"), specs, ["cuda"])
+
+
+# -- the hint in jax.export's refusal --------------------------------------------------------------------
+
+def _step_specs():
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs().values()]
+
+
+def test_export_without_disabled_checks_names_export_safety_checks(kernel_library):
+    # jax lists each refused custom call with its location; the kernel calls' location carries the hint.
+    with pytest.raises(ValueError) as info:
+        jax.export.export(jax.jit(step), platforms=["cuda"])(*_step_specs())
+    message = str(info.value)
+    assert "Cannot serialize code with custom calls" in message
+    for target in ffi_targets():
+        assert re.search(rf"custom_call @{target}\(.*\n?.*{re.escape(fa4_jax.export.EXPORT_HINT)}", message), target
+
+
+def _without_locations(text: str) -> str:
+    text = re.sub(r"\s*loc\([^()]*(\([^()]*\))*[^()]*\)", "", text)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#loc"))
+
+
+def test_export_hint_changes_only_locations(kernel_library, monkeypatch):
+    from fa4_jax import lowering
+
+    def module(hint):
+        monkeypatch.setattr(lowering, "EXPORT_HINT", hint)
+        exported = jax.export.export(jax.jit(lambda *a: step(*a)), platforms=["cuda"],  # a fresh trace
+                                     disabled_checks=fa4_jax.export_safety_checks())(*_step_specs())
+        return exported.mlir_module()
+
+    with_hint, other = module(fa4_jax.export.EXPORT_HINT), module("another scope")
+    assert fa4_jax.export.EXPORT_HINT in with_hint and "another scope" in other
+    stripped = _without_locations(with_hint)
+    assert stripped == _without_locations(other)
+    assert len(re.findall(r"stablehlo\.custom_call @fa4_jax_\w+\(", stripped)) == 3 and "loc(" not in stripped
