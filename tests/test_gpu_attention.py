@@ -565,6 +565,8 @@ print("LOAD_FAILURE_OK")
 
 def test_module_load_failure_is_reported_and_recoverable(built_variants):
     _require(built_variants, "bf16", 128, False)
-    out = _run_subprocess(LOAD_FAILURE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": "all",
+    # cuDNN out of the choice: with it, implementation=None on a kernel that does not load lowers to
+    # cuDNN (tests/test_gpu_cudnn.py); this test is about the kernel's failure and the XLA path.
+    out = _run_subprocess(LOAD_FAILURE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": "all", "FA4_JAX_DISABLE_CUDNN": "1",
                                                 "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert "LOAD_FAILURE_OK" in out
