@@ -148,7 +148,7 @@ BAD_OPTIONS = {
     "causal_int": (dict(causal=1), TypeError, r"causal must be a Python bool; got causal=1\. Under jax\.jit, mark it static"),
     "causal_none": (dict(causal=None), TypeError, r"causal=None"),
     "return_lse_str": (dict(return_lse="yes"), TypeError, r"return_lse must be a Python bool.*'yes'"),
-    "implementation_unknown": (dict(implementation="cudnn"), ValueError, r"implementation must be None, \"fa4\" or \"xla\"; got implementation='cudnn'"),
+    "implementation_unknown": (dict(implementation="triton"), ValueError, r"implementation must be None, \"fa4\", \"cudnn\" or \"xla\"; got implementation='triton'"),
     "implementation_case": (dict(implementation="FA4"), ValueError, r"got implementation='FA4'"),
 }
 

@@ -424,24 +424,25 @@ def test_reset_cache():
     np.testing.assert_array_equal(f32(m(x, decode=True)), first)  # the stale keys are invisible
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: make_layer(dropout_rate=0.1), "inference-only .* dropout_rate must be 0"),
-    (lambda: make_layer(dtype=jnp.float32), "dtype=float32. Use dtype=jnp.bfloat16"),
-    (lambda: make_layer(num_heads=6, qkv_features=384, num_kv_heads=4), "num_heads by num_kv_heads"),
-    (lambda: make_layer(qkv_features=128), r"head_dim = qkv_features // num_heads = 32"),
-    (lambda: make_layer(causal=True, window_size=(4, 3)), "causal=True means window_size"),
-    (lambda: make_layer().init_cache(4, 64, page_size=16, num_pages=10), "num_pages=10 is too few"),
-    (lambda: make_layer().init_cache(2, 64, page_size=24), "page_size must be one of"),
-    (lambda: make_layer().init_cache(2, 64, page_size=16, num_pages=8, page_table=np.full((2, 4), 8)),
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: make_layer(dropout_rate=0.1), ValueError, "inference-only .* dropout_rate must be 0"),
+    (lambda: make_layer(dtype=jnp.float32), ValueError, "dtype=float32. Use dtype=jnp.bfloat16"),
+    (lambda: make_layer(num_heads=6, qkv_features=384, num_kv_heads=4), ValueError, "num_heads by num_kv_heads"),
+    (lambda: make_layer(qkv_features=128), ValueError, r"head_dim = qkv_features // num_heads = 32"),
+    (lambda: make_layer(causal=True, window_size=(4, 3)), ValueError, "causal=True means window_size"),
+    (lambda: make_layer(causal=True, window_size=(4, 1)), ValueError, r"causal=True means window_size.*\(4, 1\)"),
+    (lambda: make_layer().init_cache(4, 64, page_size=16, num_pages=10), ValueError, "num_pages=10 is too few"),
+    (lambda: make_layer().init_cache(2, 64, page_size=24), ValueError, "page_size must be one of"),
+    (lambda: make_layer().init_cache(2, 64, page_size=16, num_pages=8, page_table=np.full((2, 4), 8)), ValueError,
      r"page_table ids must lie in \[0, num_pages=8\)"),
-    (lambda: make_layer(dtype=None).init_cache(2, 64), "init_cache needs dtype=jnp.bfloat16"),
-    (lambda: make_layer()(normal(0, (2, 3, F)), decode=True), r"needs a KV cache: call init_cache"),
-    (lambda: make_layer(dtype=None)(normal(0, (2, 3, F))), "computes in float32 .* dtype=jnp.bfloat16"),
-    (lambda: make_layer()(normal(0, (2, 3, F)), lengths=jnp.array([3, 2])), "decode=True only"),
-], ids=["dropout", "float32", "kv_heads", "head_dim", "window", "pages", "page_size", "page_ids", "cache_dtype",
-        "no_cache", "inferred_float32", "lengths"])
-def test_errors(make, match):
-    with pytest.raises((ValueError, TypeError), match=match):
+    (lambda: make_layer(dtype=None).init_cache(2, 64), ValueError, "init_cache needs dtype=jnp.bfloat16"),
+    (lambda: make_layer()(normal(0, (2, 3, F)), decode=True), ValueError, r"needs a KV cache: call init_cache"),
+    (lambda: make_layer(dtype=None)(normal(0, (2, 3, F))), TypeError, "computes in float32 .* dtype=jnp.bfloat16"),
+    (lambda: make_layer()(normal(0, (2, 3, F)), lengths=jnp.array([3, 2])), ValueError, "decode=True only"),
+], ids=["dropout", "float32", "kv_heads", "head_dim", "window", "window_right_1", "pages", "page_size", "page_ids",
+        "cache_dtype", "no_cache", "inferred_float32", "lengths"])
+def test_errors(make, error, match):
+    with pytest.raises(error, match=match):
         make()
 
 

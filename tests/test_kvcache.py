@@ -215,11 +215,25 @@ def test_cache_seqlens_are_clamped_to_the_capacity(case, s_q):
 def test_num_splits_does_not_change_the_result():
     # On CPU num_splits only passes through (the reference has no split): each value must still give
     # the oracle's result. That the kernel's splits do not change it is tests/test_gpu_kvcache.py's
-    # test_kvcache_decode_splits / test_kvcache_num_splits_agree.
+    # (test_kvcache_decode_splits, test_kvcache_paged, test_kvcache_chunked_prefill: every split count
+    # against the oracle).
     q, k, v = make_inputs(40, b=4, s_q=4, cache_shape=(4, CAPACITY), h_q=8, h_k=2)
     for n in (None, 1, 3):
         o, lse = attention_with_kvcache(q, k, v, SEQLENS, causal=True, num_splits=n, return_lse=True)
         check_result(o, lse, q, k, v, SEQLENS, causal=True)
+
+
+@pytest.mark.parametrize("num_splits,param", [(None, 0), (1, 1), (3, 3), (256, 256)])
+def test_num_splits_reaches_the_primitive(num_splits, param):
+    # The kernel's split count is the primitive's param (0 = pick at run time); the reference ignores it,
+    # so only the bound equation shows whether the API passed it on.
+    from fa4_jax.primitive_kvcache import fa4_kvcache_p
+
+    q, k, v = make_inputs(42, b=2, s_q=1, cache_shape=(2, 16), h_q=4, h_k=2)
+    jaxpr = jax.make_jaxpr(lambda q, k, v, n: attention_with_kvcache(q, k, v, n, num_splits=num_splits))(
+        q, k, v, np.array([3, 16], np.int32))
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is fa4_kvcache_p]
+    assert eqn.params["num_splits"] == param, eqn.params
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -326,8 +340,8 @@ def test_causal_with_a_right_window_rejected(window_size, no_run):
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks the CPU message")
 def test_implementation_choice(no_run):
     q, k, v, seqlens, _ = _args()
-    with pytest.raises(ValueError, match=r'implementation must be None, "fa4" or "xla"; got implementation=\'cudnn\''):
-        attention_with_kvcache(q, k, v, seqlens, implementation="cudnn")
+    with pytest.raises(ValueError, match=r'implementation must be None, "fa4", "cudnn" or "xla"; got implementation=\'triton\''):
+        attention_with_kvcache(q, k, v, seqlens, implementation="triton")
 
 
 def test_fa4_on_cpu_raises_when_lowered():

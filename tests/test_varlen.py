@@ -209,8 +209,8 @@ BAD_ARGS = {
                     r"head_dim must be one of \(64, 96, 128, 192, 256\); got head_dim=80 \(q\.shape=\(5, 4, 80\)\)"),
     "fa4_head_dim_96": (dict(d=96), dict(implementation="fa4"), RuntimeError,
                         r'implementation="fa4" cannot run here: the varlen kernels support head_dim \(64, 128, 256\), got 96'),
-    "cudnn": ({}, dict(implementation="cudnn"), ValueError,
-              r'implementation must be None, "fa4" or "xla"; got implementation=\'cudnn\''),
+    "triton": ({}, dict(implementation="triton"), ValueError,
+               r'implementation must be None, "fa4", "cudnn" or "xla"; got implementation=\'triton\''),
     "causal_right_window_1": ({}, dict(causal=True, window_size=(4, 1)), ValueError,
                               r"causal=True means window_size\[1\] = 0 \(no key after the diagonal\); "
                               r"got window_size=\(4, 1\)"),
