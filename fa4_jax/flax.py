@@ -129,7 +129,7 @@ def dot_product_attention(
     built from its cache index, so it falls back; FA4Attention has a mask-free KV cache instead.
     Silence the warnings with `warnings.filterwarnings("ignore", message="fa4_jax.flax")`.
 
-    implementation: None, "fa4" or "xla", passed to fa4_jax.attention (use it with functools.partial).
+    implementation: None, "fa4", "cudnn" or "xla", passed to fa4_jax.attention (use it with functools.partial).
     **kwargs: keywords of a newer flax; any given means fallback (with their meaning unknown).
     """
     linen_call = (any(x is not None for x in (force_fp32_for_softmax, einsum_dot_general, qk_attn_weights_einsum,
@@ -196,7 +196,8 @@ class FA4Attention(nnx.Module):
         and parameters as nnx does, and the call raises if that is not bfloat16/float16. float32 is
         refused rather than silently cast: pass dtype=jnp.bfloat16 (param_dtype may stay float32).
       param_dtype, kernel_init, bias_init, use_bias, precision: as for nnx.MultiHeadAttention.
-      implementation: None, "fa4" or "xla", passed to the fa4_jax calls ("fa4" demands the kernels).
+      implementation: None, "fa4", "cudnn" or "xla", passed to the fa4_jax calls ("fa4" demands the kernels,
+        "cudnn" jax's cuDNN attention, which has no paged cache).
       rngs: nnx.Rngs for the parameter initializers.
     """
 
@@ -239,8 +240,8 @@ class FA4Attention(nnx.Module):
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim = qkv_features // num_heads = {self.head_dim}; the FA4 kernels support "
                              f"head_dim {HEAD_DIMS}")
-        if implementation not in (None, "fa4", "xla"):
-            raise ValueError(f'implementation must be None, "fa4" or "xla"; got {implementation!r}')
+        if implementation not in (None, "fa4", "cudnn", "xla"):
+            raise ValueError(f'implementation must be None, "fa4", "cudnn" or "xla"; got {implementation!r}')
         # fa4_jax's own checks, now rather than at the first call. self.window_size is the normalised
         # window, causal folded in ((-1, 0) for plain causal): the decode alignment reads it.
         _, self.softcap, self.window_size = check_options(

@@ -94,7 +94,7 @@ def test_return_hints_say_what_return_lse_switches():
         hints = typing.get_type_hints(func)
         assert hints["return"] == switched, (func.__name__, hints["return"])
         assert hints["window_size"] == tuple[int, int]
-        assert set(typing.get_args(hints["implementation"])) == {typing.Literal["fa4", "xla"], type(None)}
+        assert set(typing.get_args(hints["implementation"])) == {typing.Literal["fa4", "cudnn", "xla"], type(None)}
     pair = tuple[jax.Array, jax.Array]
     for func in (fa4_jax.attention_reference, fa4_jax.attention_with_kvcache_reference,
                  fa4_jax.attention_varlen_reference, fa4_jax.update_kvcache, fa4_jax.sharding.merge_partials):
