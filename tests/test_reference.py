@@ -362,7 +362,7 @@ def test_under_jit():
         (dict(softmax_scale=0.1, window_size=(-2, 0)), ValueError, r"window_size values must be >= -1"),
         (dict(softmax_scale=0.1, window_size=3), TypeError, r"window_size must be a pair \(left, right\) of ints"),
         (dict(softmax_scale=0.1, causal=True, window_size=(2, 1)), ValueError, r"causal=True means window_size\[1\] = 0"),
-        (dict(softmax_scale=0.1, softcap=-1.0), ValueError, r"softcap must be finite and >= 0 \(0 = off\); got softcap=-1\.0"),
+        (dict(softmax_scale=0.1, softcap=-1.0), ValueError, r"softcap must be in \[0, 1e\+06\] \(0 = off\); got softcap=-1\.0"),
         (dict(softmax_scale=0.1, sinks=np.zeros(3, np.float32)), ValueError, r"sinks must have shape \(heads_q,\) = \(4,\); got sinks\.shape=\(3,\)"),
         (dict(softmax_scale=0.1, sinks=np.zeros(4, np.int32)), TypeError, r"sinks must be a floating-point array.*int32"),
     ],
