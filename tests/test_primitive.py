@@ -266,7 +266,7 @@ def test_vmap_folds_into_one_custom_call(in_axes, with_sinks, operand_types):
     [
         (dict(softmax_scale=-1.0), ValueError, r"softmax_scale must be finite and > 0; got softmax_scale=-1\.0"),
         (dict(softmax_scale=1e39), ValueError, r"softmax_scale must be a normal float32"),
-        (dict(implementation="triton"), ValueError, r"implementation must be one of \('fa4', 'xla', 'auto'\); got implementation='triton'"),
+        (dict(implementation="triton"), ValueError, r"implementation must be one of \('fa4', 'xla', 'auto', 'cudnn'\); got implementation='triton'"),
         (dict(window_left=-2), ValueError, r"window_size values must be >= -1 \(-1 = unbounded\); got window_size=\(-2, -1\)"),
         (dict(window_right=1.5), TypeError, r"window_size must be a pair of Python ints.*\(right is float\)"),
         (dict(window_left=True), TypeError, r"window_size must be a pair of Python ints.*\(left is bool\)"),
