@@ -16,10 +16,12 @@ from isolation_cases import OPTIONS, POISONS, kvcache_case, varlen_case, varlen_
 from oracle import attention_oracle
 
 pytestmark = pytest.mark.gpu
+KV_FAMILY, VARLEN_FAMILY = pytest.mark.kernel_family("kvcache"), pytest.mark.kernel_family("varlen")
 
 KV = dict(hd=128, h_q=16, h_k=4)
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("num_splits", [1, None, 4])
 @pytest.mark.parametrize("poison", sorted(POISONS))
 @pytest.mark.parametrize("where", ["boundary", "tile", "all"])
@@ -27,6 +29,7 @@ def test_kvcache_contiguous_unused_slots(where, poison, num_splits):
     kvcache_case(implementation="fa4", poison=POISONS[poison], where=where, opts={}, num_splits=num_splits, **KV)
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("num_splits", [1, None, 7])
 @pytest.mark.parametrize("case", sorted(OPTIONS))
 @pytest.mark.parametrize("s_q", [1, 5])
@@ -35,6 +38,7 @@ def test_kvcache_contiguous_options(case, s_q, num_splits):
                  num_splits=num_splits, **KV)
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("num_splits", [1, None, 4])
 @pytest.mark.parametrize("poison", sorted(POISONS))
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -43,6 +47,7 @@ def test_kvcache_paged_unowned_pages(page_size, poison, num_splits):
                  num_splits=num_splits, **KV)
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("case", sorted(OPTIONS))
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_kvcache_paged_options(case, page_size):
@@ -50,17 +55,20 @@ def test_kvcache_paged_options(case, page_size):
                  page_size=page_size, **KV)
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("hd", [64, 256])
 def test_kvcache_other_head_dims(hd):
     kvcache_case(implementation="fa4", poison=np.nan, where="tile", opts=dict(causal=True), s_q=2, hd=hd)
 
 
+@VARLEN_FAMILY
 @pytest.mark.parametrize("poison", sorted(POISONS))
 @pytest.mark.parametrize("case", sorted(OPTIONS))
 def test_varlen_neighbouring_sequence(poison, case):
     varlen_case(implementation="fa4", poison=POISONS[poison], opts=OPTIONS[case])
 
 
+@VARLEN_FAMILY
 @pytest.mark.parametrize("hd", [64, 128, 256])
 @pytest.mark.parametrize("victim", [0, 1, 2])
 def test_varlen_each_victim(hd, victim):
@@ -68,11 +76,13 @@ def test_varlen_each_victim(hd, victim):
                 seqlens=(130, 7, 300))
 
 
+@VARLEN_FAMILY
 def test_varlen_keys_past_seqused_and_oversized_seqused():
     varlen_case(implementation="fa4", poison=np.nan, opts=dict(causal=True), seqused=(7, 1000, 20), victim=1)
     varlen_case(implementation="fa4", poison=np.nan, opts={}, seqused=(50, 60, 37), victim=1)
 
 
+@VARLEN_FAMILY
 def test_varlen_vmap_slices():
     varlen_vmap_case(implementation="fa4", poison=np.nan)
 
@@ -97,6 +107,7 @@ def _check_sink_rows(o, lse, what):
             assert np.isfinite(oh).all() and not (np.isnan(lh) | np.isposinf(lh)).any(), f"{what}: head {h} ({sink})"
 
 
+@pytest.mark.kernel_family("fwd")
 def test_sink_semantics_dense():
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 8, 128)), jnp.bfloat16) for _ in range(3))
@@ -112,6 +123,7 @@ def test_sink_semantics_dense():
     np.testing.assert_allclose(np.asarray(l_k)[:, finite], np.asarray(l_x)[:, finite], atol=1e-3)
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_sink_semantics_kvcache(num_splits):
     # num_splits 1: the attention kernel's finalize; 4: the split combine kernel.
@@ -125,6 +137,7 @@ def test_sink_semantics_kvcache(num_splits):
         _check_sink_rows(o, lse, f"kvcache {impl} splits={num_splits}")
 
 
+@VARLEN_FAMILY
 def test_sink_semantics_varlen():
     rng = np.random.default_rng(2)
     cu = jnp.asarray([0, 50, 170], jnp.int32)
@@ -158,6 +171,7 @@ def _check_large(ours, xla, ref, what):
         f"{what}: LSE off by {np.abs(lse - lse_r).max():.3g} (|lse| up to {np.abs(lse_r).max():.3g})")
 
 
+@pytest.mark.kernel_family("fwd")
 @pytest.mark.parametrize("scale,top", [(1e4, 8), (0.125, 64), (1e-3, 2), (1e-30, 4)])
 def test_large_scaled_scores_dense(scale, top):
     """Scaled scores up to |s * scale * log2(e)| ~ 1.2e8 (scale 1e4, |s| <= 8192) or |s| ~ 1e5 at an
@@ -170,6 +184,7 @@ def test_large_scaled_scores_dense(scale, top):
     _check_large(ours, xla, ref, f"dense scale={scale} top={top}")
 
 
+@KV_FAMILY
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_large_scaled_scores_kvcache(num_splits):
     q, kc, vc = _integer_qkv(4, (2, 1, 8, 128), (2, 1000, 2, 128), 8)
