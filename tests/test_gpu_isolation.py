@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from accuracy import check_o_against_reference
 from isolation_cases import OPTIONS, POISONS, kvcache_case, varlen_case, varlen_vmap_case
 from oracle import attention_oracle
 
@@ -161,10 +160,22 @@ def _integer_qkv(seed, shape_q, shape_kv, top):
 
 
 def _check_large(ours, xla, ref, what):
-    """The accuracy rule for O; the LSE relative to its magnitude: an LSE of ~1e8 (scale 1e4, |s| ~
-    8e3) is itself a float32 with an ulp of 8, so the rule's absolute 1e-3 cannot apply (the kernel
-    forms it in log2 units, the reference in natural log: each rounds once)."""
-    check_o_against_reference(ours[0], xla[0], ref[0], what=what)
+    """O per row within 2x the XLA path's error plus one bf16/fp16 ulp of the row's magnitude, LSE
+    relative to its magnitude.
+
+    At these scales attention is (nearly) one-hot and the row max's exponent is the rounding error of
+    m * scale * log2(e) (up to +-4 at 1.2e8): P = 2^delta is then not a power of two, and its rounding
+    to bf16 for the PV gemm (relative 2^-9) reaches O unaveraged, while the normaliser sums P in
+    float32. So O may land one output ulp from the correctly rounded result: the shared rule's 1e-3
+    relative atol (a quarter ulp) assumes errors averaged over many keys. An LSE of ~1e8 is a float32
+    with an ulp of 8, so the rule's absolute 1e-3 cannot apply to it either (the kernel forms it in
+    log2 units, the reference in natural log: each rounds once)."""
+    o, o_x, o_r = (np.asarray(x[0], np.float32) for x in (ours, xla, ref))
+    eps = float(jnp.finfo(ours[0].dtype).eps)
+    assert np.isfinite(o).all(), f"{what}: O not finite"
+    row_err, row_err_x = np.abs(o - o_r).max(-1), np.abs(o_x - o_r).max(-1)
+    bound = 2 * row_err_x + eps * np.abs(o_r).max(-1) + 1e-6
+    assert (row_err <= bound).all(), f"{what}: O off by {row_err.max():.3g} (bound there {bound.min():.3g})"
     lse, lse_x, lse_r = (np.asarray(x[1], np.float32) for x in (ours, xla, ref))
     ulp = np.spacing(np.abs(lse_r))
     assert (np.abs(lse - lse_r) <= 2 * np.abs(lse_x - lse_r) + 4 * ulp + 1e-3).all(), (
@@ -172,7 +183,9 @@ def _check_large(ours, xla, ref, what):
 
 
 @pytest.mark.kernel_family("fwd")
-@pytest.mark.parametrize("scale,top", [(1e4, 8), (0.125, 64), (1e-3, 2), (1e-30, 4)])
+# (1.0, 256): |s| up to ~1e6 exact, m * log2(e) ~ 1e6 with an ulp of 1/8: rescaling blocks by
+# (m_prev - m) * scale (the old kernel) instead of against the stored rounded maxima is off by up to 9%.
+@pytest.mark.parametrize("scale,top", [(1e4, 8), (1.0, 256), (0.125, 64), (1e-3, 2), (1e-30, 4)])
 def test_large_scaled_scores_dense(scale, top):
     """Scaled scores up to |s * scale * log2(e)| ~ 1.2e8 (scale 1e4, |s| <= 8192) or |s| ~ 1e5 at an
     ordinary scale: the online softmax stays exact (issue 13: 1e8 gave NaN rows; the rescale against

@@ -40,11 +40,14 @@ class OnlineSoftmax:
 
         `row_max` holds the running max already scaled (m * scale_log2, rounded once to float32)
         and every exponent and rescale factor is taken against that stored value, so the rounding
-        of m * scale_log2 is common to all of a row's terms and cancels in O and the LSE. Taking
-        the rescale as (m_prev - m) * scale_log2 instead would weigh blocks against differently
-        rounded shifts: a relative error of ulp(m * scale_log2) (2% at |m * scale_log2| ~ 1e6).
-        The exponent of the max itself is the product's rounding error, at most ulp/2, so
-        probabilities stay finite while |m * scale_log2| < 2^28 (fp16 P: 2^15 is its largest power).
+        of m * scale_log2 is common to all of a row's terms and cancels in O and the LSE, whichever
+        way the compiler fuses s * scale_log2 - shift into an FMA. (A rescale computed as
+        (m_prev - m) * scale_log2 is consistent with the exponents only if the FMA takes the shift
+        exactly; the old form also let the max's exponent reach ulp(|m * scale_log2|): NaN rows at
+        softmax_scale 1e8.) The exponent of the max is now the product's rounding error, at most
+        ulp/2, so probabilities stay finite while |m * scale_log2| < 2^28 (fp16 P: 2^15 is its
+        largest power); P's rounding to 16 bits then costs O up to 2^-9 relative, unaveraged when
+        attention is one-hot.
         """
         s_mn = acc_as_mn(acc_S)
         scale = cute.make_rmem_tensor(self.row_max.layout, Float32)
