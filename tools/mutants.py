@@ -32,6 +32,29 @@ ROOT = Path(__file__).resolve().parent.parent
 COPIED = ("fa4_jax", "tests", "pyproject.toml")
 PYTEST = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly")
 
+# The child process: pytest on the mutated copy. An editable install of fa4_jax (`pip install -e`, as
+# .ci/run does) puts a meta path finder ahead of sys.path that maps `fa4_jax` to the original checkout,
+# so the copy's mutated sources would never be imported and every mutant would "survive". The child
+# drops any finder that resolves fa4_jax outside the copy and checks which fa4_jax it imports.
+_CHILD = """
+import sys
+copy = sys.argv[1]
+for finder in list(sys.meta_path):
+    if type(finder).__module__ == "_frozen_importlib_external" or not hasattr(finder, "find_spec"):
+        continue
+    try:
+        spec = finder.find_spec("fa4_jax", None)
+    except Exception:
+        continue
+    if spec is not None and not str(spec.origin or "").startswith(copy):
+        sys.meta_path.remove(finder)
+import fa4_jax
+if not fa4_jax.__file__.startswith(copy):
+    sys.exit(f"mutants: fa4_jax imported from {fa4_jax.__file__}, not from the mutated copy {copy}")
+import pytest
+sys.exit(pytest.main(sys.argv[2:]))
+"""
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -214,7 +237,7 @@ def run_pytest(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int,
     env.pop("FA4_JAX_REQUIRE_GPU", None)
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *PYTEST, *tests], cwd=copy, env=env,
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(copy), *PYTEST, *tests], cwd=copy, env=env,
                               capture_output=True, text=True, timeout=timeout)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
