@@ -171,3 +171,23 @@ def varlen_vmap_case(*, implementation, poison, hd=64, dtype=jnp.bfloat16, seed=
     clean = f(q, jnp.asarray(k, dtype), jnp.asarray(v, dtype))
     poisoned = f(q, jnp.asarray(kp, dtype), jnp.asarray(vp, dtype))
     _assert_same(clean, poisoned, (np.s_[0], np.s_[0]), f"vmap varlen {poison}")
+
+
+# Per-head sink logits covering every special value: +inf takes the whole mass (o = 0, lse = +inf), NaN
+# makes the row NaN, -inf is no sink; finite ones behave as usual.
+SPECIAL_SINKS = np.array([np.inf, -np.inf, np.nan, 1.5, -80.0, 0.0, np.inf, 2.0], np.float32)
+
+
+def check_sink_semantics(o, lse, head_axis_o, head_axis_lse, sinks, what):
+    """Per head of `sinks`: +inf -> o = 0 and lse = +inf; NaN -> o and lse NaN; else o finite and lse
+    finite (or -inf for a row that sees no key and has no sink)."""
+    o, lse = np.asarray(o, np.float32), np.asarray(lse)
+    for h, sink in enumerate(np.asarray(sinks)):
+        oh, lh = np.take(o, h, axis=head_axis_o), np.take(lse, h, axis=head_axis_lse)
+        if np.isposinf(sink):
+            assert (oh == 0).all() and np.isposinf(lh).all(), f"{what}: head {h}, sink +inf: o={oh.max()}, lse={lh}"
+        elif np.isnan(sink):
+            assert np.isnan(oh).all() and np.isnan(lh).all(), f"{what}: head {h}, sink NaN"
+        else:
+            assert np.isfinite(oh).all(), f"{what}: head {h}, sink {sink}: o not finite"
+            assert not (np.isnan(lh) | np.isposinf(lh)).any(), f"{what}: head {h}, sink {sink}: lse {lh}"

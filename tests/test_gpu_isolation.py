@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from isolation_cases import OPTIONS, POISONS, kvcache_case, varlen_case, varlen_vmap_case
+from isolation_cases import (OPTIONS, POISONS, SPECIAL_SINKS, check_sink_semantics, kvcache_case, varlen_case,
+                             varlen_vmap_case)
 from oracle import attention_oracle
 
 pytestmark = pytest.mark.gpu
@@ -88,24 +89,6 @@ def test_varlen_vmap_slices():
 
 # -- sinks, scales: the kernels agree with the reference's semantics --------------------------------
 
-SPECIAL_SINKS = np.array([np.inf, -np.inf, np.nan, 1.5, -80.0, 0.0, np.inf, 2.0], np.float32)
-
-
-def _check_sink_rows(o, lse, what):
-    """Per head of SPECIAL_SINKS: +inf -> o = 0, lse = +inf; NaN -> o and lse NaN; else finite."""
-    o, lse = np.asarray(o, np.float32), np.asarray(lse)
-    h_axis_o = o.ndim - 2
-    for h, sink in enumerate(SPECIAL_SINKS):
-        oh, lh = np.take(o, h, axis=h_axis_o), np.take(lse, h, axis=lse.ndim - 2 if lse.ndim == 3 else 0)
-        if np.isposinf(sink):
-            assert (oh == 0).all() and np.isposinf(lh).all(), f"{what}: head {h} (sink +inf)"
-        elif np.isnan(sink):
-            assert np.isnan(oh).all() and np.isnan(lh).all(), f"{what}: head {h} (sink NaN)"
-        else:
-            # lse finite, or -inf for a row that sees no key and has no sink
-            assert np.isfinite(oh).all() and not (np.isnan(lh) | np.isposinf(lh)).any(), f"{what}: head {h} ({sink})"
-
-
 @pytest.mark.kernel_family("fwd")
 def test_sink_semantics_dense():
     rng = np.random.default_rng(0)
@@ -113,7 +96,7 @@ def test_sink_semantics_dense():
     sinks = jnp.asarray(SPECIAL_SINKS)
     for impl in ("fa4", "xla"):
         o, lse = fa4_jax.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, implementation=impl)
-        _check_sink_rows(o, lse, f"dense {impl}")
+        check_sink_semantics(o, lse, 2, 1, SPECIAL_SINKS, f"dense {impl}")
     finite = np.isfinite(SPECIAL_SINKS)
     o_k, l_k = fa4_jax.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, implementation="fa4")
     o_x, l_x = fa4_jax.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, implementation="xla")
@@ -133,7 +116,7 @@ def test_sink_semantics_kvcache(num_splits):
     for impl in ("fa4", "xla"):
         o, lse = fa4_jax.attention_with_kvcache(q, kc, vc, lens, sinks=jnp.asarray(SPECIAL_SINKS), return_lse=True,
                                                 num_splits=num_splits, implementation=impl)
-        _check_sink_rows(o, lse, f"kvcache {impl} splits={num_splits}")
+        check_sink_semantics(o, lse, 2, 1, SPECIAL_SINKS, f"kvcache {impl} splits={num_splits}")
 
 
 @VARLEN_FAMILY
@@ -144,7 +127,7 @@ def test_sink_semantics_varlen():
     for impl in ("fa4", "xla"):
         o, lse = fa4_jax.attention_varlen(q, k, v, cu, cu, causal=True, sinks=jnp.asarray(SPECIAL_SINKS),
                                           return_lse=True, implementation=impl)
-        _check_sink_rows(o, lse, f"varlen {impl}")
+        check_sink_semantics(o, lse, 1, 0, SPECIAL_SINKS, f"varlen {impl}")
 
 
 def _integer_qkv(seed, shape_q, shape_kv, top):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import fa4_jax
+from isolation_cases import SPECIAL_SINKS, check_sink_semantics
 from oracle import attention_oracle
 
-SPECIAL_SINKS = np.array([np.inf, -np.inf, np.nan, 1.5], np.float32)
 
 
 def _qkv(seed, shape_q, shape_kv, magnitude=1.0):
@@ -20,25 +20,11 @@ def _qkv(seed, shape_q, shape_kv, magnitude=1.0):
             jnp.asarray(rng.standard_normal(shape_kv), jnp.bfloat16))
 
 
-def _check_sinks(o, lse, head_axis_o, head_axis_lse, sinks, want_finite_o, what):
-    o, lse = np.asarray(o, np.float32), np.asarray(lse)
-    for h, sink in enumerate(sinks):
-        oh, lh = np.take(o, h, axis=head_axis_o), np.take(lse, h, axis=head_axis_lse)
-        if np.isposinf(sink):  # the sink takes the whole mass
-            assert (oh == 0).all() and np.isposinf(lh).all(), f"{what}: head {h}, sink +inf: o={oh.max()}, lse={lh}"
-        elif np.isnan(sink):  # a NaN the row sees makes the row NaN
-            assert np.isnan(oh).all() and np.isnan(lh).all(), f"{what}: head {h}, sink NaN"
-        else:
-            # finite, or -inf for a row that sees no key and has no sink
-            assert not np.isnan(lh).any() and not np.isposinf(lh).any(), f"{what}: head {h}, sink {sink}: lse {lh}"
-            assert np.isfinite(oh).all() == want_finite_o, f"{what}: head {h}"
-
-
 def test_sink_semantics_dense_matches_oracle_for_finite_and_minus_inf():
-    q, k, v = _qkv(0, (2, 9, 4, 64), (2, 13, 2, 64))
+    q, k, v = _qkv(0, (2, 9, 8, 64), (2, 13, 2, 64))
     sinks = jnp.asarray(SPECIAL_SINKS)
     o, lse = fa4_jax.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
-    _check_sinks(o, lse, 2, 1, SPECIAL_SINKS, True, "dense")
+    check_sink_semantics(o, lse, 2, 1, SPECIAL_SINKS, "dense")
     # -inf is no sink at all; a finite sink is the oracle's.
     o_none, lse_none = fa4_jax.attention(q, k, v, causal=True, return_lse=True)
     np.testing.assert_array_equal(np.asarray(o)[:, :, 1], np.asarray(o_none)[:, :, 1])
@@ -49,14 +35,14 @@ def test_sink_semantics_dense_matches_oracle_for_finite_and_minus_inf():
 
 
 def test_sink_semantics_rows_without_keys_kvcache_and_varlen():
-    q, k, v = _qkv(1, (2, 1, 4, 64), (2, 40, 2, 64))
+    q, k, v = _qkv(1, (2, 1, 8, 64), (2, 40, 2, 64))
     sinks = jnp.asarray(SPECIAL_SINKS)
     o, lse = fa4_jax.attention_with_kvcache(q, k, v, jnp.asarray([40, 0], jnp.int32), sinks=sinks, return_lse=True)
-    _check_sinks(o, lse, 2, 1, SPECIAL_SINKS, True, "kvcache")
+    check_sink_semantics(o, lse, 2, 1, SPECIAL_SINKS, "kvcache")
     cu = jnp.asarray([0, 5, 5], jnp.int32)  # the second sequence is empty
-    o, lse = fa4_jax.attention_varlen(q.reshape(2, 4, 64)[:1].repeat(5, 0), k[0, :5], v[0, :5], cu, cu, sinks=sinks,
+    o, lse = fa4_jax.attention_varlen(q.reshape(2, 8, 64)[:1].repeat(5, 0), k[0, :5], v[0, :5], cu, cu, sinks=sinks,
                                       return_lse=True)
-    _check_sinks(o, lse, 1, 0, SPECIAL_SINKS, True, "varlen")
+    check_sink_semantics(o, lse, 1, 0, SPECIAL_SINKS, "varlen")
 
 
 # (1.0, 256): |s| up to ~1e6 exact, m * log2(e) ~ 1e6 with an ulp of 1/8: rescaling blocks by
