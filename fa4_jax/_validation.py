@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax.families import HEAD_DIMS
-from fa4_jax.families.kvcache import MAX_SPLITS
+from fa4_jax.families.kvcache import MAX_SPLITS, PAGE_SIZES
 
 # The kernels are compiled for these input dtypes only (see fa4_jax.families.DTYPES).
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -234,8 +234,6 @@ def check_index(name: str, x, shape: tuple, meaning: str) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)} {meaning}; got {name}.shape={tuple(x.shape)}")
 
 
-# Paged KV caches: page sizes the kernels tile (a page is whole K/V blocks, or a block is whole pages).
-PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 def check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, kernel_constraints: bool = True) -> None:

@@ -28,10 +28,8 @@ from pathlib import Path
 
 from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, FWD, HEAD_DIMS, KVCACHE, VARLEN, KernelFamily, default_menu
 from fa4_jax.families import mask_kind
+from fa4_jax.families.kvcache import PAGE_SIZES
 
-# Page sizes a paged cache may have: what fa4_jax._validation.PAGE_SIZES accepts (a test keeps the two
-# equal; that module imports jax at import time, this one does not).
-PAGE_SIZES = (16, 32, 64, 128, 256)
 
 KERNEL, CUDNN, REFERENCE = "kernel", "cuDNN", "reference"
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}

@@ -38,6 +38,9 @@ SPLIT_BLOCK_KEYS = 128
 # SMs); the lowering sizes the workspace for it, the handler then picks within it.
 AUTO_SPLIT_CTAS = 320
 MAX_SPLITS = 256
+# Page sizes a paged cache may have (the validation, the Flax cache and the support matrix read this):
+# the kernel gathers pages in 16-row TMA pieces; these are the sizes tested.
+PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 def auto_split_capacity(batch: int, heads_kv: int, rows: int, keys: int) -> int:
