@@ -1,7 +1,10 @@
 """CuTe-DSL kernels. Build time only: these modules import `nvidia-cutlass-dsl`.
 
-Each kernel family has one entry module whose `compile_variant(variant)` builds the fake tensors of
-the family's exported C ABI (fa4_jax/families/) and compiles one variant GPU-blind; the AOT exporter
-(fa4_jax.aot) finds it through `KernelFamily.compile`. Shared pieces: `common` (fake tensors, compile
-options), `tile_scheduler`, `seqlen`, `block_info`, `mask`, `softmax`, `named_barrier`, `utils`.
+Each kernel family has one entry module (fwd, varlen, kvcache) whose `compile_variant(variant)` builds
+the fake tensors of the family's exported C ABI (fa4_jax/ops/<family>/spec.py) and compiles one variant
+GPU-blind; the AOT exporter (fa4_jax.aot) finds it through `KernelFamily.compile`. Every family is
+one configuration of one forward kernel per architecture (fwd_sm90), switched at its seams
+(seams.py): `tile_problem` and `seqlen` (sequence lengths), `loaders_sm90` (Q, K/V), `tile_scheduler`,
+`epilogue_sm90` and `combine_sm90` (O). Shared pieces: `common` (fake tensors, compile options),
+`config`, `block_info`, `mask`, `softmax`, `named_barrier`, `utils`.
 """

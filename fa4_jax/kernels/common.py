@@ -9,7 +9,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from fa4_jax.families.base import GPU_ARCH_FLAG
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-# Without an explicit host target the export fails on a GPU-less machine (GUIDE.md §2).
+# Without an explicit host target the export fails on a GPU-less machine (BUILD.md, Pitfalls).
 _HOST_TARGET = "--host-target 'llvm -mtriple=x86_64-unknown-linux-gnu'"
 
 

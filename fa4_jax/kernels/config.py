@@ -1,6 +1,6 @@
 """Compile-time tile configuration of the SM90 forward kernel, derived from a FwdVariant.
 
-Tile sizes follow the FlashAttention-3/4 Hopper choices (GUIDE.md §6): the QK^T accumulator, the O
+Tile sizes follow the FlashAttention-3/4 Hopper choices (docs/DESIGN.md): the QK^T accumulator, the O
 accumulator and P (as the register A operand of the PV wgmma) must fit in the consumer warpgroups'
 240-register budget, and Q + `stages` x (K + V) tiles must fit in 227 KB of shared memory.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.families.fwd import FwdVariant
+from fa4_jax.ops.fwd.spec import FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA.
 SM90_SMEM_BYTES = 227 * 1024

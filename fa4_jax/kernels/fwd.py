@@ -1,4 +1,4 @@
-"""Entry point of the dense forward family (fa4_jax/families/fwd.py): compile one FwdVariant.
+"""Entry point of the dense forward family (fa4_jax/ops/fwd/spec.py): compile one FwdVariant.
 
 The fake tensors below are the family's exported C ABI; `fa4_jax.aot` checks the generated header
 against FWD.tensors / FWD.scalars, so a change here that is not mirrored there fails the build.
@@ -10,7 +10,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from fa4_jax.families.fwd import FwdVariant
+from fa4_jax.ops.fwd.spec import FwdVariant
 from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32
 
 
@@ -18,8 +18,11 @@ def make_kernel(variant: FwdVariant):
     if variant.arch == "sm90":
         from fa4_jax.kernels.config import Sm90FwdConfig
         from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
+        from fa4_jax.kernels.seams import FwdSeams
 
-        return FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(variant), variant.mask, variant.softcap)
+        kernel = FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(variant), variant.mask, variant.softcap,
+                                           FwdSeams.dense())
+        return kernel.call_dense
     raise NotImplementedError(f"no forward kernel for {variant.arch=} yet")
 
 

@@ -1,6 +1,13 @@
-"""FlashAttention forward kernel for Hopper (SM90), CuTe DSL. Build time only.
+"""FlashAttention forward kernel for Hopper (SM90), CuTe DSL: dense, varlen and KV-cache attention.
+Build time only.
 
-Design (FlashAttention-3/4 on Hopper, see ../shared/FA4_NOTES.md and GUIDE.md §6):
+One kernel body; `FwdSeams` (seams.py) picks at compile time what plugs into each seam: where
+sequence lengths come from (tile_problem.py), how Q and K/V reach shared memory (loaders_sm90.py),
+which tiles a CTA takes (tile_scheduler.py) and how O leaves (epilogue_sm90.py, combine_sm90.py).
+Each family's exported function is one host entry below (call_dense, call_varlen, call_kvcache):
+it adapts the family's C ABI and launches the same `kernel`.
+
+Design (FlashAttention-3/4 on Hopper, see docs/DESIGN.md):
 - Warp specialisation: warpgroup 0 is the producer (one warp issues TMA loads of Q once and of K/V
   tiles through a `stages`-deep mbarrier pipeline); warpgroups 1..n are consumers, 64 query rows each,
   issuing wgmma and doing the softmax in registers. setmaxnreg moves registers from producer to
@@ -16,15 +23,32 @@ Design (FlashAttention-3/4 on Hopper, see ../shared/FA4_NOTES.md and GUIDE.md §
 - Masks (block_info.py): causal and local windows skip the blocks no row of the tile sees and mask
   only the blocks on the window's edges; window bounds are runtime arguments.
 - Attention sinks join each row's denominator in the final normalisation (softmax.finalize).
-- A linear tile scheduler (tile_scheduler.py) maps a 1-D grid to (m-block, head, batch); causal and
-  local tiles are issued longest first (reverse m-block order) to shorten the tail.
-- Epilogue: O is normalised, converted, written with stmatrix into Q's shared buffer (Q is dead by
-  then) and stored with one TMA bulk copy; LSE goes straight from registers to global memory.
+- A linear tile scheduler (tile_scheduler.py) maps a 1-D grid to (m-block, head, batch[, split]);
+  causal and local tiles are issued longest first (reverse m-block order) to shorten the tail.
+
+What the seams change (seams.py lists them):
+- Varlen: a tile is (m_block, head, batch) of packed (total_tokens, heads, head_dim) tensors, with
+  batch's rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], + seqused_k[b])
+  (clamped to the sequence's own keys). Tiles whose m_block starts past the sequence's end exit at
+  once; the grid is sized by max_seqlen_q. Q and K/V are TMA boxes at the sequence's offset
+  (`cute.domain_offset`): a box may run into the next sequence's rows, which only feed masked scores
+  or rows that are not stored. O and LSE are stored from registers with a row predicate. Rows past
+  cu_seqlens_q[batch] (padding) get o = 0 and lse = -inf (or the sink) from an extra pseudo-batch.
+- KV cache (decode): pack-GQA tiles are (m_block, kv head, batch, split) whose TILE_M rows are the
+  (query, q-head) pairs of the q-heads sharing the KV head, so each K/V block is read once per group.
+  seqlen_k = cache_seqlens[b] clamped to the capacity; K/V come from a contiguous cache or, paged,
+  in PAGE_ROWS-row TMA pieces from the pages the page table names (ids clamped into the pool).
+  Split-KV divides a tile's key blocks over num_splits CTAs; the combine kernel merges the partials.
+- Keys past a sequence's end that a K/V block still covers (varlen, KV cache) are masked to -inf,
+  but the tensor core computes 0 * NaN = NaN, so their V rows are zeroed in shared memory before the
+  PV gemm (clear_v_rows; FwdSeams.keys_past_end).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -36,12 +60,17 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from fa4_jax.kernels import epilogue_sm90 as epi
 from fa4_jax.kernels.block_info import BlockInfo
+from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config import Sm90FwdConfig
+from fa4_jax.kernels.loaders_sm90 import PAGE_ROWS, KVLoader, gather_packed_q, sequence_rows, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
+from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
+from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, transpose_2d, wgmma
 
@@ -49,25 +78,25 @@ _LOG2E = 1.4426950408889634
 
 
 class FlashAttentionForwardSm90:
-    """One compiled instance per FwdVariant; `__init__` holds compile-time configuration only."""
+    """One compiled instance per variant; `__init__` holds compile-time configuration only."""
 
-    # Whether a K/V tile may run past the sequence's last key into memory the sequence does not own:
-    # a KV cache's unused slots or pages, the next packed sequence. Those keys' scores are masked to
-    # -inf (P = 0), but the tensor core computes 0 * NaN = NaN, so their V rows are zeroed in shared
-    # memory before the PV gemm (clear_v_rows). Dense tensors end where the sequence ends (TMA fills
-    # zeros past it): off here, so the dense kernel is unchanged.
-    CLEAR_V_TAIL = False
-
-    def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool):
+    def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None):
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
+        self.seams = FwdSeams.dense() if seams is None else seams
+        if self.seams.q_load is QLoad.PACKED_GQA and (
+                cfg.num_consumer_wg != 1 or cfg.warpgroup_pingpong or cfg.separate_o):
+            # The row gather and the per-row stores are written for one warpgroup of 64 rows.
+            raise ValueError("pack-GQA tiles use one consumer warpgroup, no ping-pong, no O staging")
+        if self.seams.kv_load is KVLoad.PAGED and cfg.tile_n % PAGE_ROWS:
+            raise ValueError(f"paged tiles need tile_n % {PAGE_ROWS} == 0: {cfg.tile_n=}")
 
     # ------------------------------------------------------------------------------------------
-    # Host side: layouts, TMA descriptors, grid, launch.
+    # Host side: one entry per family's C ABI (fa4_jax/ops/<family>/spec.py), then one launch.
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def __call__(
+    def call_dense(
         self,
         mQ: cute.Tensor,  # (b, s_q, h_q, d)
         mK: cute.Tensor,  # (b, s_k, h_k, d)
@@ -82,65 +111,163 @@ class FlashAttentionForwardSm90:
         max_ctas: Int32,  # CTAs that fit on the device at once (SM count): the persistent grid
         stream: cuda.CUstream,
     ):
-        cfg = self.cfg
-        dtype = mQ.element_type
-        if const_expr(not (dtype == mK.element_type == mV.element_type == mO.element_type)):
-            raise TypeError("q, k, v and o must share one dtype")
+        self.expect(Seqlens.DENSE)
+        self.check_dtypes(mQ, mK, mV, mO)
         # (b, s, h, d) -> (s, d, h, b): tiles are (rows, head_dim) with head_dim contiguous.
         mQ, mK, mV, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.cfg.tile_m)
+        # Persistent only with a separate O buffer: with O in Q's buffer a CTA would have to hold the
+        # next tile's Q load until its O store has read the buffer, and gain little. The handler
+        # also passes max_ctas >= tiles where tiles differ in work (see ffi/fwd.cc).
+        if const_expr(not self.cfg.separate_o):
+            max_ctas = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        grid = StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mQ.shape[3], max_ctas)
+        self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
+                    window_left, window_right)
 
+    @cute.jit
+    def call_varlen(
+        self,
+        mQ: cute.Tensor,  # (total_q, h_q, d)
+        mK: cute.Tensor,  # (total_k, h_k, d)
+        mV: cute.Tensor,
+        mO: cute.Tensor,  # (total_q, h_q, d)
+        mLSE: cute.Tensor,  # (h_q, total_q) float32
+        mCuSeqlensQ: cute.Tensor,  # (b + 1,) int32
+        mCuSeqlensK: cute.Tensor,  # (b + 1,) int32
+        mSequsedK: cute.Tensor,  # (b,) int32: keys used per sequence
+        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_q: Int32,
+        max_ctas: Int32,  # persistent grid (full masks: tiles carry similar work) or every tile
+        stream: cuda.CUstream,
+    ):
+        self.expect(Seqlens.VARLEN)
+        self.check_dtypes(mQ, mK, mV, mO)
+        # (t, h, d) -> (t, d, h): tiles are (rows, head_dim) with head_dim contiguous.
+        mQ, mK, mV, mO = [permute_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
+        num_m_blocks = cute.ceil_div(max_seqlen_q, self.cfg.tile_m)
+        # batch + 1: the last "batch" zero-fills the rows past cu_seqlens_q[batch]. The handler asks
+        # for a persistent grid where tiles carry similar work (as for the dense kernel, ffi/fwd.cc).
+        grid = StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mCuSeqlensQ.shape[0], max_ctas)
+        self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
+                    window_left, window_right, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+                    mSequsedK=mSequsedK, num_m_blocks=num_m_blocks)
+
+    @cute.jit
+    def call_kvcache(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mK: cute.Tensor,  # contiguous (b, capacity, h_k, d) | paged (num_pages, page_size, h_k, d)
+        mV: cute.Tensor,
+        mPageTable: cute.Tensor,  # (b, max_pages) int32 (paged only)
+        mSeqlensK: cute.Tensor,  # (b,) int32
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32
+        mOaccum: cute.Tensor,  # (splits_cap, b, s_q, h_q, d) float32
+        mLSEaccum: cute.Tensor,  # (splits_cap, b, h_q, s_q) float32
+        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.expect(Seqlens.CACHE)
+        self.check_dtypes(mQ, mK, mV, mO)
+        # K/V: (rows, d, h_k, batch-or-page) for TMA, head_dim contiguous. Q, O and LSE keep their
+        # layout: pack-GQA rows are gathered and stored one by one.
+        mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
+        qhead_per_kv = mQ.shape[2] // mK.shape[2]
+        num_m_blocks = cute.ceil_div(mQ.shape[1] * qhead_per_kv, self.cfg.tile_m)
+        # One CTA per tile: "max_ctas" = every tile.
+        total = num_m_blocks * mK.shape[2] * mQ.shape[0] * num_splits
+        grid = StaticPersistentTileScheduler.grid(num_m_blocks, mK.shape[2], mQ.shape[0], total, num_splits)
+        self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
+                    window_left, window_right, mPageTable=mPageTable, mSeqlensK=mSeqlensK, mOaccum=mOaccum,
+                    mLSEaccum=mLSEaccum, num_splits=num_splits, kv_len=mK.shape[0])
+        if num_splits > 1:
+            rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
+            SplitCombineSm90(self.cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits,
+                                                       stream)
+
+    def expect(self, seqlens: Seqlens):
+        """An entry point adapts one family's C ABI, i.e. the tensors of one seqlens seam."""
+        if self.seams.seqlens is not seqlens:
+            raise TypeError(f"this kernel is configured for {self.seams}, not {seqlens}")
+
+    @staticmethod
+    def check_dtypes(mQ, mK, mV, mO):
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type)):
+            raise TypeError("q, k, v and o must share one dtype")
+
+    def launch(self, grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
+               window_left, window_right, mPageTable=None, mSeqlensK=None, mOaccum=None, mLSEaccum=None,
+               mCuSeqlensQ=None, mCuSeqlensK=None, mSequsedK=None, num_splits=None, kv_len=None,
+               num_m_blocks=None):
+        """TMA descriptors, shared storage and the launch of `kernel`, for the seams' tensors (the
+        others None). K/V, and Q and O where TMA moves them, are (rows, d, h[, b]) here."""
+        cfg, seams = self.cfg, self.seams
+        dtype = mQ.element_type
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(dtype, cfg.num_consumer_wg)
         sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
+        tma_atom_Q = tma_atom_O = None
+        if const_expr(seams.q_load is QLoad.TMA):
+            tma_atom_Q, mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
+            self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_tile, (cfg.tile_n, cfg.head_dim), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_tile, (cfg.tile_n, cfg.head_dim), 1)
-        # O has Q's smem layout (its own buffer when cfg.separate_o, else Q's); the TMA unit clips
-        # rows past seqlen_q.
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, cfg.head_dim)
-        )
-        self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
+        # A paged block is tile_n / PAGE_ROWS TMA pieces, each into its rows of the stage's tile.
+        paged = seams.kv_load is KVLoad.PAGED
+        box_rows = PAGE_ROWS if const_expr(paged) else cfg.tile_n
+        kv_box = cute.composition(kv_tile, (box_rows, cfg.head_dim)) if const_expr(paged) else kv_tile
+        tma_atom_K, mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_box, (box_rows, cfg.head_dim), 1)
+        tma_atom_V, mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_box, (box_rows, cfg.head_dim), 1)
         self.kv_bytes = cute.size_in_bytes(dtype, kv_tile)
+        sO_size = 0
+        if const_expr(seams.epilogue is Epilogue.TMA_STORE):
+            # O has Q's smem layout (its own buffer when cfg.separate_o, else Q's); the TMA unit
+            # clips rows past seqlen_q.
+            tma_atom_O, mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, cfg.head_dim)
+            )
+            sO_size = cute.cosize(sQ_layout) if cfg.separate_o else 0
+        self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size)
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout) if cfg.separate_o else 0], 1024]
-
-        self.shared_storage = SharedStorage
-
-        num_m_blocks = cute.ceil_div(mQ.shape[0], cfg.tile_m)
-        # Persistent only with a separate O buffer: with O in Q's buffer a CTA would have to hold the
-        # next tile's Q load until its O store has read the buffer, and gain little. The handler
-        # also passes max_ctas >= tiles where tiles differ in work (see ffi/fwd.cc).
-        if const_expr(not cfg.separate_o):
-            max_ctas = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, mSinks,
-            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-            softmax_scale_log2, softcap_prescale, window_left, window_right,
-            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv,
-        ).launch(
-            grid=StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mQ.shape[3], max_ctas),
-            block=[cfg.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+            mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+            mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
+            window_left, window_right, num_splits, kv_len, num_m_blocks, sQ_layout, sKV_layout, tiled_mma_qk,
+            tiled_mma_pv,
+        ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
-    # Pieces every SM90 attention kernel here builds the same way (dense, KV-cache, varlen; the
-    # latter two subclass this one). Called while tracing: plain Python that emits the same code
-    # wherever it is used.
+    # Building blocks (called while tracing: plain Python that emits the same code wherever used).
     # ------------------------------------------------------------------------------------------
+    def make_shared_storage(self, dtype, sQ_layout, sKV_layout, sO_size: int | None):
+        """Q's mbarriers only where TMA loads Q; the sO field only for the TMA_STORE epilogue
+        (size 0 when O reuses Q's buffer)."""
+        cfg = self.cfg
+        mbar = cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+
+        def smem(n):
+            return cute.struct.Align[cute.struct.MemRange[dtype, n], 1024]
+
+        fields = {}
+        if self.seams.q_load is QLoad.TMA:
+            fields["mbar_q"] = cute.struct.MemRange[cutlass.Int64, 2]
+        fields.update(mbar_k=mbar, mbar_v=mbar, sQ=smem(cute.cosize(sQ_layout)),
+                      sK=smem(cute.cosize(sKV_layout)), sV=smem(cute.cosize(sKV_layout)))
+        if self.seams.epilogue is Epilogue.TMA_STORE:
+            fields["sO"] = smem(sO_size)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     def make_tiled_mmas(self, dtype, num_wg: int):
         cfg = self.cfg
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -207,7 +334,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def load_blocks(self, copy_k, copy_v, copy_q, pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max):
         """The producer's order for one tile: K of the first (highest) block, then Q (copy_q, unless
-        None: the KV-cache kernel gathers Q itself), then K_{j-1} and V_j in turn, V of the lowest
+        None: pack-GQA consumers gather Q themselves), then K_{j-1} and V_j in turn, V of the lowest
         block last -- the order the consumers use them. K comes before Q because its stage frees
         during the previous tile's last blocks, while Q's buffer frees only after that tile's last
         QK gemm. copy_k / copy_v(n_block, stage, barrier), copy_q(barrier) issue the copies.
@@ -237,20 +364,30 @@ class FlashAttentionForwardSm90:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
+        mQ: cute.Tensor,  # TMA Q: the TMA tensor; pack-GQA: (b, s_q, h_q, d)
         mK: cute.Tensor,
         mV: cute.Tensor,
+        mPageTable: Optional[cute.Tensor],
+        mSeqlensK: Optional[cute.Tensor],
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mOaccum: Optional[cute.Tensor],
+        mLSEaccum: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSequsedK: Optional[cute.Tensor],
         mSinks: cute.Tensor,
-        tma_atom_Q: cute.CopyAtom,
+        tma_atom_Q: Optional[cute.CopyAtom],
         tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom,
-        tma_atom_O: cute.CopyAtom,
+        tma_atom_O: Optional[cute.CopyAtom],
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
         window_right: Int32,
+        num_splits: Optional[Int32],
+        kv_len: Optional[Int32],  # KV cache: contiguous: capacity; paged: page_size
+        num_m_blocks: Optional[Int32],  # varlen: from max_seqlen_q
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
@@ -260,81 +397,145 @@ class FlashAttentionForwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        pipe_q, pipe_k, pipe_v = self.make_pipelines(storage)
+        pipe_q, pipe_k, pipe_v = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sO = None
+        if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(cfg.separate_o) else sQ
 
-        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(cfg.separate_o) else sQ
-
-        scheduler = StaticPersistentTileScheduler.create(cute.ceil_div(mQ.shape[0], cfg.tile_m), mQ.shape[2], mQ.shape[3],
-                                                  lpt=self.mask != "full")
-        seqlen = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
-        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
-
+        scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
+                                                    mSequsedK, window_left, window_right, num_splits, kv_len,
+                                                    num_m_blocks)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipe_q, pipe_k, pipe_v, scheduler, blocks)
+                self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(mO, mLSE, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, blocks, scheduler)
+            self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+                         tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, scheduler,
+                         problem)
 
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-             pipe_q, pipe_k, pipe_v, scheduler: StaticPersistentTileScheduler, blocks: BlockInfo):
-        """Producer warp, for each of the CTA's tiles: Q once, then K_j / V_j from block
+    def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+                          window_left, window_right, num_splits, kv_len, num_m_blocks):
+        """The tile scheduler and the TileProblem of the seqlens seam: (m_block, head, batch) tiles
+        of dense (s, d, h, b) tensors; of packed (t, d, h) ones, plus the padding pseudo-batch; of
+        pack-GQA rows per KV head, times num_splits."""
+        cfg = self.cfg
+        seqlens = self.seams.seqlens
+        lpt = self.mask != "full" and self.seams.scheduler is Scheduler.PERSISTENT
+        if const_expr(seqlens is Seqlens.DENSE):
+            scheduler = StaticPersistentTileScheduler.create(cute.ceil_div(mQ.shape[0], cfg.tile_m), mQ.shape[2],
+                                                             mQ.shape[3], lpt=lpt)
+            seqlen = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
+            blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
+            problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
+                                  dense_blocks=blocks)
+        elif const_expr(seqlens is Seqlens.VARLEN):
+            scheduler = StaticPersistentTileScheduler.create(num_m_blocks, mQ.shape[2], mCuSeqlensQ.shape[0],
+                                                             lpt=lpt)
+            problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
+                                  mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSequsedK=mSequsedK,
+                                  num_batch=mCuSeqlensQ.shape[0] - 1, total_q=mQ.shape[0], num_m_blocks=num_m_blocks)
+        else:
+            qhead_per_kv = mQ.shape[2] // mK.shape[2]
+            num_m_blocks = cute.ceil_div(mQ.shape[1] * qhead_per_kv, cfg.tile_m)
+            scheduler = StaticPersistentTileScheduler.create(num_m_blocks, mK.shape[2], mQ.shape[0], num_splits)
+            capacity = kv_len * (mPageTable.shape[1] if const_expr(self.seams.kv_load is KVLoad.PAGED) else 1)
+            problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
+                                  mSeqlensK=mSeqlensK, seqlen_q=mQ.shape[1], qhead_per_kv=qhead_per_kv,
+                                  num_splits=num_splits, capacity=capacity)
+        return scheduler, problem
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             pipe_q, pipe_k, pipe_v, scheduler: StaticPersistentTileScheduler, problem: TileProblem, kv_len):
+        """Producer warp, for each of the CTA's tiles: Q once (TMA Q), then K_j / V_j from block
         n_block_max - 1 down to n_block_min, in the order the consumers use them (K_j is needed
         one step before V_j). The pipeline states run on across tiles, so the next tile's Q and
         first K/V stream in while the consumers finish the current one."""
         cfg = self.cfg
-        one = cute.make_layout(1)
-        heads_per_kv = mQ.shape[2] // mK.shape[2]  # GQA/MQA: q heads share kv heads in groups
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        heads_per_kv = 1  # pack-GQA: a tile's head is its KV head
+        q_state = None  # pack-GQA: the consumers gather Q themselves
+        if const_expr(self.seams.q_load is QLoad.TMA):
+            heads_per_kv = mQ.shape[2] // mK.shape[2]  # GQA/MQA: q heads share kv heads in groups
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
-            n_block_min, n_block_max = blocks.n_block_min_max(work.m_block)
-            if n_block_max > n_block_min:
-                head_kv = work.head // heads_per_kv
-                gQ = cute.local_tile(mQ[None, None, work.head, work.batch], (cfg.tile_m, cfg.head_dim),
-                                     (work.m_block, 0))
-                gK = cute.local_tile(mK[None, None, head_kv, work.batch], (cfg.tile_n, cfg.head_dim), (None, 0))
-                gV = cute.local_tile(mV[None, None, head_kv, work.batch], (cfg.tile_n, cfg.head_dim), (None, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
-                state, q_state = self.load_blocks(
-                    lambda n, stage, bar: cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, stage], tma_bar_ptr=bar),
-                    lambda n, stage, bar: cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, stage], tma_bar_ptr=bar),
-                    lambda bar: cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=bar),
-                    pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max)
+            if const_expr(problem.seqlens is Seqlens.VARLEN):
+                if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
+                    state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
+                                                    tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
+                                                    problem, heads_per_kv, kv_len)
+            else:
+                state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
+                                                tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
+                                                problem, heads_per_kv, kv_len)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
-    def consume(self, mO, mLSE, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, blocks: BlockInfo,
-                scheduler: StaticPersistentTileScheduler):
+    def load_tile(self, mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                  pipe_q, pipe_k, pipe_v, state, q_state, work, problem: TileProblem, heads_per_kv, kv_len):
         cfg = self.cfg
-        dtype = sQ.element_type
-        tidx = cute.arch.thread_idx()[0] - 128
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg)
+        varlen = problem.seqlens is Seqlens.VARLEN
+        seqlen = problem.seqlen(work.batch)
+        blocks = problem.blocks(seqlen)
+        n_block_min, n_block_max = problem.n_block_range(blocks, work)
+        if const_expr(varlen):
+            has_work = work.m_block * cfg.tile_m < seqlen.seqlen_q and n_block_max > n_block_min
+        else:
+            has_work = n_block_max > n_block_min
+        if has_work:
+            head_kv = work.head // heads_per_kv
+            kv = KVLoader.create(cfg, self.seams.kv_load is KVLoad.PAGED, mK, mV, mPageTable, sK, sV, tma_atom_K,
+                                 tma_atom_V, head_kv, work.batch, seqlen.offset_k, varlen, kv_len)
+            if const_expr(self.seams.q_load is QLoad.TMA):
+                gQ = cute.local_tile(sequence_rows(mQ, work.head, work.batch, seqlen.offset_q, varlen),
+                                     (cfg.tile_m, cfg.head_dim), (work.m_block, 0))
+                tQsQ, tQgQ = tma_tile_copy(tma_atom_Q, gQ, sQ)
+                state, q_state = self.load_blocks(
+                    kv.k, kv.v, lambda bar: cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=bar),
+                    pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max)
+            else:
+                state, q_state = self.load_blocks(kv.k, kv.v, None, None, None, pipe_k, pipe_v, state,
+                                                  n_block_min, n_block_max)
+        return state, q_state
 
+    @cute.jit
+    def consume(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+                tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale,
+                scheduler: StaticPersistentTileScheduler, problem: TileProblem):
+        cfg = self.cfg
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = 0  # one consumer warpgroup: a compile-time 0
+        if const_expr(cfg.num_consumer_wg > 1):
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+        frags = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
-        mask = ScoreMask.create(blocks, tScS)
+        tOcO = None  # (row, col) of each O accumulator this thread holds, for stores from registers
+        if const_expr(self.seams.epilogue is not Epilogue.TMA_STORE):
+            tOcO = acc_as_mn(tiled_mma_pv.get_slice(tidx).partition_C(
+                cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
+        acc_O = frags[4]
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_as_mn(acc_O), mode=[0]))
         # Rescale factor carried to the next step when O is rescaled just before its PV gemm.
         o_scale = cute.make_rmem_tensor(softmax.row_max.layout, Float32)
+        sink_log2 = None  # pack-GQA: one sink per row (rows mix q-heads)
+        if const_expr(self.seams.q_load is QLoad.PACKED_GQA):
+            sink_log2 = cute.make_rmem_tensor(softmax.row_max.layout, Float32)
+        tile = _ConsumerTile(frags, tScS, tOcO, softmax, o_scale, sink_log2, tidx, wg)
 
         if const_expr(cfg.warpgroup_pingpong):
             # The gemm-issue token starts with the first warpgroup. Each tile passes it around the
@@ -342,32 +543,74 @@ class FlashAttentionForwardSm90:
             # arrive is the next tile's first turn), so this happens once per CTA, not per tile.
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.turn(0), number_of_threads=256)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = None
+        if const_expr(self.seams.q_load is QLoad.TMA):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        args = (mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
-            n_block_min, n_block_max = blocks.n_block_min_max(work.m_block)
-            acc_O.fill(0.0)
-            softmax.row_max.fill(-Float32.inf)
-            softmax.row_sum.fill(0.0)
-            o_scale.fill(1.0)
-            if n_block_max > n_block_min:
+            if const_expr(problem.seqlens is Seqlens.VARLEN):
+                if work.batch < problem.num_batch:
+                    seqlen = problem.seqlen(work.batch)
+                    if work.m_block * cfg.tile_m < seqlen.seqlen_q:
+                        state, q_state = self.consume_tile(work, seqlen, state, q_state, *args)
+                else:
+                    epi.fill_unowned_rows(cfg, mO, mLSE, mSinks, tidx, work, problem)
+            else:
+                state, q_state = self.consume_tile(work, problem.seqlen(work.batch), state, q_state, *args)
+            tile_idx = scheduler.next(tile_idx)
+        if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
+            epi.tma_store_drain(cfg, tidx)
+
+    @cute.jit
+    def consume_tile(self, work, seqlen: SeqlenInfo, state, q_state, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks,
+                     sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, softcap_prescale,
+                     problem: TileProblem, tile):
+        """One tile on the consumer warpgroups: Q, the mainloop over its K/V blocks, the epilogue."""
+        cfg, seams = self.cfg, self.seams
+        tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = tile.frags
+        softmax, o_scale = tile.softmax, tile.o_scale
+        dtype = sQ.element_type
+        blocks = problem.blocks(seqlen)
+        n_block_min, n_block_max = problem.n_block_range(blocks, work)
+        acc_O.fill(0.0)
+        softmax.row_max.fill(-Float32.inf)
+        softmax.row_sum.fill(0.0)
+        o_scale.fill(1.0)
+        if n_block_max > n_block_min:
+            if const_expr(seams.q_load is QLoad.TMA):
                 pipe_q.consumer_wait(q_state)
-                state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
-                                      s_shape, state, pipe_q, q_state, pipe_k, pipe_v, mask, softmax,
-                                      softcap_prescale, blocks, work.m_block, n_block_min, n_block_max, wg, dtype)
+            else:
+                gather_packed_q(cfg, mQ, sQ, tile.tidx, work, problem)
+            state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
+                                  s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS),
+                                  softmax, softcap_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
+                                  dtype, sV, tile.tidx)
+            if const_expr(seams.q_load is QLoad.TMA):
+                if const_expr(seams.epilogue is not Epilogue.TMA_STORE and not cfg.separate_o):
+                    # The mainloop keeps Q when O would reuse its buffer; this epilogue stores O
+                    # from registers, so the next tile's Q may come in now.
+                    pipe_q.consumer_release(q_state)
                 q_state.advance()
 
-            inv_sum = softmax.finalize(mSinks[work.head] * _LOG2E)
-            OnlineSoftmax.rescale(acc_O, inv_sum)
-            self.epilogue(acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx,
-                          work.m_block, work.head, work.batch, blocks.seqlen.seqlen_q)
-            tile_idx = scheduler.next(tile_idx)
-        if const_expr(cfg.separate_o):
-            if tidx < 32:
-                # The CTA's smem must outlive the last O store's reads.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(seams.q_load is QLoad.PACKED_GQA):
+            sink = epi.packed_sinks_log2(cfg, tile.sink_log2, tile.tOcO, mSinks, work, problem, _LOG2E)
+        else:
+            sink = mSinks[work.head] * _LOG2E
+        inv_sum = softmax.finalize(sink)
+        OnlineSoftmax.rescale(acc_O, inv_sum)
+        if const_expr(seams.epilogue is Epilogue.TMA_STORE):
+            epi.tma_store(cfg, acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tile.tidx,
+                          work.m_block, work.head, work.batch, seqlen.seqlen_q)
+        elif const_expr(seams.epilogue is Epilogue.ROW_STORE):
+            epi.row_store(acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, work.head,
+                          seqlen.offset_q + work.m_block * cfg.tile_m, seqlen.seqlen_q - work.m_block * cfg.tile_m)
+        else:
+            epi.split_store(cfg, acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, mOaccum, mLSEaccum, work, problem)
+        return state, q_state
 
     @cute.jit
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape,
@@ -376,7 +619,7 @@ class FlashAttentionForwardSm90:
         """All K/V blocks of one query tile (Q already in smem), from the highest block index down:
         the first block carries the seqlen_k boundary and the window's right edge; the phases after
         it are listed in block_info.py. `state` is the K/V consumer state; returns it advanced past
-        this tile's blocks. sV and tidx (the consumer thread index) are needed with CLEAR_V_TAIL."""
+        this tile's blocks. sV and tidx (the consumer thread index) are needed with FwdSeams.keys_past_end."""
         cfg = self.cfg
 
         # First block (highest index): S only; its PV gemm is issued in the next step.
@@ -390,7 +633,7 @@ class FlashAttentionForwardSm90:
         mask.apply(acc_S, m_block, n_block, seqlen=True, window=True)
         softmax.step(acc_S, is_first=True)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
-        if const_expr(self.CLEAR_V_TAIL):
+        if const_expr(self.seams.keys_past_end):
             # Only the first block can hold the sequence's last key (later ones are full); its V
             # arrives right behind the next K, so waiting for it here costs little, and only tiles
             # whose sequence ends inside the block pay anything beyond a compare.
@@ -509,44 +752,16 @@ class FlashAttentionForwardSm90:
                 nxt = 0
             cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.turn(nxt), number_of_threads=256)
 
-    @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_block, head,
-                 batch, seqlen_q):
-        cfg = self.cfg
-        dtype = sO.element_type
-        n_consumer = 128 * cfg.num_consumer_wg
 
-        # LSE straight from registers: the thread holding column 0 of a row writes it.
-        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
-        tOcO = acc_as_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
-        if tOcO[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * cfg.tile_m + tOcO[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+@dataclass(frozen=True)  # frozen: read inside the dynamic tile loop (see tile_scheduler.py)
+class _ConsumerTile:
+    """A consumer thread's per-CTA state that every tile reuses (the tensors' contents change)."""
 
-        rO = cute.make_rmem_tensor_like(acc_O, dtype)
-        rO.store(acc_O.load().to(dtype))
-        if const_expr(self.cfg.separate_o):
-            # The previous tile's O store must have read sO before it is overwritten.
-            if tidx < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        # Everyone waits: for the store above, or (sO aliasing sQ) for every warpgroup to be done
-        # reading Q, before anyone writes O.
-        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_consumer)
-        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
-        # Generic-proxy smem writes must be made visible to the TMA (async proxy) before the store.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_consumer)
-        if tidx < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.cfg.separate_o):
-                # The CTA's smem must outlive the bulk copy's reads (with a separate sO the next
-                # tile's epilogue, or the end of consume(), waits instead: the store overlaps work).
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+    frags: tuple  # consumer_fragments(): tSrQ, tSrK, tOrVt, tOrP, acc_O, QK^T accumulator shape
+    tScS: cute.Tensor  # (row, col) of each QK^T accumulator
+    tOcO: cute.Tensor | None  # (row, col) of each O accumulator (register-store epilogues)
+    softmax: OnlineSoftmax
+    o_scale: cute.Tensor
+    sink_log2: cute.Tensor | None  # pack-GQA: the rows' sinks
+    tidx: Int32  # consumer thread index
+    wg: Int32 | int  # consumer warpgroup

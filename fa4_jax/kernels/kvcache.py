@@ -1,4 +1,4 @@
-"""Entry point of the KV-cache family (fa4_jax/families/kvcache.py): compile one KVCacheVariant.
+"""Entry point of the KV-cache family (fa4_jax/ops/kvcache/spec.py): compile one KVCacheVariant.
 
 The fake tensors below are the family's exported C ABI (KVCACHE.tensors / KVCACHE.scalars); the
 exporter checks the generated header against it.
@@ -11,17 +11,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from fa4_jax.families.kvcache import KVCacheVariant
+from fa4_jax.ops.kvcache.spec import KVCacheVariant
 from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, stride
 
 
 def make_kernel(variant: KVCacheVariant):
     if variant.arch == "sm90":
         from fa4_jax.kernels.config import kvcache_config
-        from fa4_jax.kernels.kvcache_sm90 import FlashAttentionKVCacheSm90
+        from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
+        from fa4_jax.kernels.seams import FwdSeams
 
-        return FlashAttentionKVCacheSm90(kvcache_config(variant.head_dim), variant.mask, variant.softcap,
-                                         variant.paged)
+        kernel = FlashAttentionForwardSm90(kvcache_config(variant.head_dim), variant.mask, variant.softcap,
+                                           FwdSeams.kvcache(variant.paged))
+        return kernel.call_kvcache
     raise NotImplementedError(f"no KV-cache kernel for {variant.arch=} yet")
 
 

@@ -1,10 +1,9 @@
 """Sequence lengths of one batch entry, read once per tile: the one place a kernel asks for
 seqlen_q, seqlen_k and where a sequence starts in its tensors.
 
-Dense tensors (today's families): the lengths are the tensors' extents, offsets are 0. The varlen
-and KV-cache families add constructors here (offsets from `cu_seqlens`, seqlen_k from the cache's
-valid lengths) and the kernels' block ranges, masks and epilogues stay as they are, since they only
-ever read a SeqlenInfo.
+Dense tensors: the lengths are the tensors' extents, offsets are 0. Varlen tensors add offsets
+(from `cu_seqlens`), a KV cache its valid lengths; tile_problem.TileProblem builds the SeqlenInfo
+of each, and block ranges, masks and epilogues only ever read a SeqlenInfo.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Entry point of the varlen family (fa4_jax/families/varlen.py): compile one VarlenVariant.
+"""Entry point of the varlen family (fa4_jax/ops/varlen/spec.py): compile one VarlenVariant.
 
 The fake tensors below are the family's exported C ABI (VARLEN.tensors / VARLEN.scalars)."""
 
@@ -9,19 +9,22 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
-from fa4_jax.families.varlen import VarlenVariant
+from fa4_jax.ops.varlen.spec import VarlenVariant
 from fa4_jax.kernels.common import DTYPES, compile_options, fake_f32, stride
 
 
 def make_kernel(variant: VarlenVariant):
     if variant.arch == "sm90":
-        from fa4_jax.families.fwd import FwdVariant
+        from fa4_jax.ops.fwd.spec import FwdVariant
         from fa4_jax.kernels.config import Sm90FwdConfig
-        from fa4_jax.kernels.varlen_sm90 import FlashAttentionVarlenSm90
+        from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
+        from fa4_jax.kernels.seams import FwdSeams
 
-        # The dense kernel's tiles for the same head_dim (the varlen kernel is the dense one at offsets).
+        # The dense kernel's tiles for the same head_dim (varlen is the dense kernel at offsets).
         dense = FwdVariant(variant.arch, variant.dtype, variant.head_dim, variant.mask, variant.softcap)
-        return FlashAttentionVarlenSm90(Sm90FwdConfig.for_variant(dense), variant.mask, variant.softcap)
+        kernel = FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(dense), variant.mask, variant.softcap,
+                                           FwdSeams.varlen())
+        return kernel.call_varlen
     raise NotImplementedError(f"no varlen kernel for {variant.arch=} yet")
 
 

@@ -1,0 +1,128 @@
+"""The SM90 loaders behind the q_load and kv_load seams (seams.py): TMA K/V blocks from a contiguous
+or a paged cache, and pack-GQA Q rows gathered with cp.async."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from fa4_jax.kernels.named_barrier import NamedBarrierFwd
+
+# Rows of one paged TMA piece: the smallest supported page size (fa4_jax.core.validation.PAGE_SIZES).
+PAGE_ROWS = 16
+
+
+def sequence_rows(mX: cute.Tensor, head, batch, offset, varlen: bool) -> cute.Tensor:
+    """The (rows, head_dim) matrix of one sequence and head: mX[:, :, head, batch] of a dense
+    (s, d, h, b) tensor, or the rows from `offset` on of a packed (t, d, h) one."""
+    if varlen:
+        return cute.domain_offset((offset, 0), mX[None, None, head])
+    return mX[None, None, head, batch]
+
+
+def tma_tile_copy(atom, g_tiles: cute.Tensor, s_tiles: cute.Tensor):
+    """(global tiles, smem stages) partitioned for one TMA atom, issued by one thread."""
+    one = cute.make_layout(1)
+    return cpasync.tma_partition(atom, 0, one, cute.group_modes(s_tiles, 0, 2), cute.group_modes(g_tiles, 0, 2))
+
+
+@dataclass(frozen=True)
+class KVLoader:
+    """TMA copies of one tile's K/V blocks into pipeline stages: one box per block from contiguous
+    rows, tile_n / PAGE_ROWS boxes (one per page piece) from a paged cache. `k` and `v` have the
+    (n_block, stage, barrier) signature of FlashAttentionForwardSm90.load_blocks."""
+
+    cfg: object
+    paged: bool
+    tKgK: cute.Tensor  # contiguous: partitioned (box, n_block); paged: (PAGE_ROWS, d, piece, 1, page)
+    tKsK: cute.Tensor  # contiguous: partitioned (box, stage); paged: the smem stages
+    tVgV: cute.Tensor
+    tVsV: cute.Tensor
+    tma_atom_K: cute.CopyAtom
+    tma_atom_V: cute.CopyAtom
+    page_row: cute.Tensor | None  # paged: mPageTable[batch, None]
+    page_size: Int32 | None  # paged only
+
+    @staticmethod
+    def create(cfg, paged: bool, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, head, batch, offset_k,
+               varlen: bool, page_size):
+        if const_expr(paged):
+            # (page_size, d, num_pages) per head, tiled in PAGE_ROWS-row pieces:
+            # (PAGE_ROWS, d, pieces per page, 1, num_pages)
+            gK = cute.flat_divide(mK[None, None, head, None], (PAGE_ROWS, cfg.head_dim))
+            gV = cute.flat_divide(mV[None, None, head, None], (PAGE_ROWS, cfg.head_dim))
+            return KVLoader(cfg, paged, gK, sK, gV, sV, tma_atom_K, tma_atom_V, mPageTable[batch, None], page_size)
+        tile = (cfg.tile_n, cfg.head_dim)
+        gK = cute.local_tile(sequence_rows(mK, head, batch, offset_k, varlen), tile, (None, 0))
+        gV = cute.local_tile(sequence_rows(mV, head, batch, offset_k, varlen), tile, (None, 0))
+        tKsK, tKgK = tma_tile_copy(tma_atom_K, gK, sK)
+        tVsV, tVgV = tma_tile_copy(tma_atom_V, gV, sV)
+        return KVLoader(cfg, paged, tKgK, tKsK, tVgV, tVsV, tma_atom_K, tma_atom_V, None, None)
+
+    @cute.jit
+    def k(self, n_block, stage, barrier):
+        self._copy(self.tma_atom_K, self.tKgK, self.tKsK, n_block, stage, barrier)
+
+    @cute.jit
+    def v(self, n_block, stage, barrier):
+        self._copy(self.tma_atom_V, self.tVgV, self.tVsV, n_block, stage, barrier)
+
+    @cute.jit
+    def _copy(self, atom, g, s, n_block, stage, barrier):
+        cfg = self.cfg
+        if const_expr(self.paged):
+            pieces_per_page = self.page_size // PAGE_ROWS
+            num_pages = g.shape[4]
+            s_pieces = cute.flat_divide(s[None, None, stage], (PAGE_ROWS, cfg.head_dim))
+            for j in cutlass.range_constexpr(cfg.tile_n // PAGE_ROWS):
+                piece = n_block * (cfg.tile_n // PAGE_ROWS) + j
+                slot = piece // pieces_per_page
+                # Positions past the page table read its last entry; ids are clamped into the pool.
+                slot = cutlass.min(slot, self.page_row.shape[0] - 1)
+                page = cutlass.max(cutlass.min(self.page_row[slot], num_pages - 1), 0)
+                src = g[None, None, piece - slot * pieces_per_page, 0, page]
+                tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
+                cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
+        else:
+            cute.copy(atom, g[None, n_block], s[None, stage], tma_bar_ptr=barrier)
+
+
+@cute.jit
+def gather_packed_q(cfg, mQ, sQ, tidx, work, problem):
+    """Pack-GQA Q: gather the tile's (query, q-head) rows with 16-byte cp.async by one consumer
+    warpgroup (rows past seqlen_q are left as they are: they only ever feed rows that are not
+    stored), then make them visible to wgmma. Row r of the tile is query r // qhead_per_kv of q-head
+    kv_head * qhead_per_kv + r % qhead_per_kv -- a runtime division, hence no TMA box."""
+    dtype = mQ.element_type
+    vec = 128 // dtype.width
+    threads_per_row = cfg.head_dim // vec
+    copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(
+        copy_atom,
+        cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)),
+    )
+    thr = tiled.get_slice(tidx)
+    tQsQ = thr.partition_D(sQ)
+    tQcQ = thr.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
+    for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
+        row = work.m_block * cfg.tile_m + tQcQ[0, m, 0][0]
+        query = row // problem.qhead_per_kv
+        if query < problem.seqlen_q:
+            head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
+            start = mQ.iterator + cute.crd2idx((work.batch, query, head, 0), mQ.layout)
+            src_row = cute.make_tensor(
+                cute.make_ptr(dtype, start.toint(), cute.AddressSpace.gmem, assumed_align=16),
+                (cfg.head_dim,))
+            src = cute.tiled_divide(src_row, (vec,))
+            for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
+                cute.copy(copy_atom, src[None, tQcQ[0, m, k][1] // vec], tQsQ[None, m, k])
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    # cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=128)
