@@ -53,8 +53,8 @@ REL_ERR_LIMIT = 2e-2
 
 
 def hopper_device():
-    """The first GPU if the kernels are built for it (fa4_jax._platform decides), else None."""
-    from fa4_jax import _platform
+    """The first GPU if the kernels are built for it (fa4_jax.core.platform decides), else None."""
+    from fa4_jax.core import platform as _platform
 
     try:
         devices = jax.devices("gpu")
@@ -81,9 +81,9 @@ def header_lines(device) -> list[str]:
         f"python {sys.version.split()[0]}   fa4_jax {getattr(fa4_jax, '__version__', '?')}",
     ]
     try:
-        from fa4_jax import _ffi
+        from fa4_jax.core import library
 
-        lines.append(f"kernel library: {_ffi.library_path()} ({len(_ffi.compiled_variants())} variants)")
+        lines.append(f"kernel library: {library.library_path()} ({len(library.compiled_variants())} variants)")
     except Exception as err:  # the header must not be what kills the benchmark
         lines.append(f"kernel library: unavailable ({type(err).__name__}: {err})")
     return lines

@@ -22,24 +22,31 @@ Submodules:
   fa4_jax.flax     Flax layers: FA4Attention and the drop-in attention_fn dot_product_attention.
                    Optional (`pip install 'fa4-jax[flax]'`): `import fa4_jax` never imports it or
                    flax; `import fa4_jax.flax` does.
+  fa4_jax.support  the support matrix: what runs the kernel, cuDNN or the reference, per GPU
+
+Inside (see BUILD.md, "Layout"): fa4_jax.ops.<family> holds each kernel family's JAX side (public
+function, primitive, sharding rule, reference), fa4_jax.core the machinery they share,
+fa4_jax.families the family descriptions' registry, fa4_jax.kernels and fa4_jax.aot the build.
 
 The package ships a `py.typed` marker (PEP 561): the public signatures carry type hints.
 """
 
-from fa4_jax import _ffi
-from fa4_jax.attention import attention
+from fa4_jax.core import library
 from fa4_jax.export import export_safety_checks
 from fa4_jax.families import FwdVariant
-from fa4_jax.kvcache import attention_with_kvcache, update_kvcache
-from fa4_jax.reference import attention_reference, attention_varlen_reference, attention_with_kvcache_reference
-from fa4_jax.varlen import attention_varlen
+from fa4_jax.ops.fwd.api import attention
+from fa4_jax.ops.fwd.reference import attention_reference
+from fa4_jax.ops.kvcache.api import attention_with_kvcache, update_kvcache
+from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference
+from fa4_jax.ops.varlen.api import attention_varlen
+from fa4_jax.ops.varlen.reference import attention_varlen_reference
 
 __version__ = "0.1.0"
 
 # Register the kernels' FFI targets with jax now (jax keeps them until its CUDA backend starts; no
 # device is touched), so that a deserialized jax.export program that calls them compiles here even
 # if nothing else in this process used fa4_jax. Without a loadable library this does nothing.
-_ffi.register_targets()
+library.register_targets()
 
 # Exactly the public API (tests/test_public_api.py checks that each name exists, is documented and
 # annotated). The submodules fa4_jax.export and fa4_jax.flax are public too, but not re-exported here.

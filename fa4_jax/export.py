@@ -8,7 +8,7 @@
     jax.export.deserialize(blob).call(*args)
 
 With implementation=None the kernel-or-reference choice is made per platform while lowering (see
-fa4_jax/lowering.py): the CUDA branch calls the kernel when the kernel library of the exporting host
+fa4_jax/core/lowering.py): the CUDA branch calls the kernel when the kernel library of the exporting host
 holds it, every other platform gets the reference. The CUDA program names the kernels only by their
 FFI target (one per kernel family, versioned with its ABI: `fa4_jax_fwd_v2`, ...), which the
 serving host's `import fa4_jax` registers from its own library; the handler picks the variant for the
@@ -19,7 +19,7 @@ call with its location, and fa4_jax lowers every kernel call inside `jax.named_s
 so that location reads "fa4_jax: jax.export needs disabled_checks=fa4_jax.export_safety_checks()".
 
 A program that uses cuDNN (implementation="cudnn", or None on a GPU without our kernels: see
-fa4_jax/cudnn.py) calls jax's `__cudnn$fmha*` custom calls, which jax does not guarantee stable
+fa4_jax/core/cudnn.py) calls jax's `__cudnn$fmha*` custom calls, which jax does not guarantee stable
 either; exporting it needs `jax.export.DisabledSafetyCheck.custom_call(...)` for those targets too.
 implementation=None never picks cuDNN while exporting (the target GPU is not known then).
 """
@@ -32,7 +32,7 @@ from fa4_jax.families import FAMILIES
 
 __all__ = ["export_safety_checks", "ffi_targets"]
 
-# The name scope of every kernel call (fa4_jax/lowering.py): it shows in jax.export's error.
+# The name scope of every kernel call (fa4_jax/core/lowering.py): it shows in jax.export's error.
 EXPORT_HINT = "fa4_jax: jax.export needs disabled_checks=fa4_jax.export_safety_checks()"
 
 

@@ -32,8 +32,8 @@ except ModuleNotFoundError as e:  # only a missing flax; a broken install report
     raise ImportError("fa4_jax.flax needs flax; install it with: pip install 'fa4-jax[flax]'") from e
 
 import fa4_jax
-from fa4_jax.attention import Implementation
-from fa4_jax._validation import KERNEL_DTYPES, PAGE_SIZES, check_options
+from fa4_jax.core.implementation import Implementation
+from fa4_jax.core.validation import KERNEL_DTYPES, PAGE_SIZES, check_options
 from fa4_jax.families import HEAD_DIMS
 
 __all__ = ["FA4Attention", "dot_product_attention", "rotary_embedding"]

@@ -8,12 +8,12 @@ the cuDNN mapping, so that README.md's table cannot drift from the code.
 A cell is one kind of call with `implementation=None`: entry point x device x dtype x head_dim x page
 size x mask x sequence lengths x softcap x sinks x return_lse, and says what it lowers to: "kernel"
 (an fa4_jax kernel of `fa4_jax.families.default_menu()`, the menu the build compiles and the lowering
-asks for), "cuDNN" (`fa4_jax.cudnn.feature_reason` is None: jax's cuDNN flash attention computes the
+asks for), "cuDNN" (`fa4_jax.core.cudnn.feature_reason` is None: jax's cuDNN flash attention computes the
 call exactly) or "reference" (the pure-JAX reference). tests/test_support_matrix.py checks README's
 copy and samples cells against the lowering's own decisions.
 
 Importing this module needs only the standard library and fa4_jax.families; building the matrix
-imports fa4_jax.cudnn (jax), never cutlass.
+imports fa4_jax.core.cudnn (jax), never cutlass.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, FWD, HEAD_DIMS, KVCACHE, VARLEN, KernelFamily, default_menu
+from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, HEAD_DIMS, KernelFamily, default_menu
+from fa4_jax.families.base import PublicEntry
 from fa4_jax.families import mask_kind
-from fa4_jax.families.kvcache import PAGE_SIZES
+from fa4_jax.ops.kvcache.spec import PAGE_SIZES
 
 
 KERNEL, CUDNN, REFERENCE = "kernel", "cuDNN", "reference"
@@ -71,15 +72,16 @@ _WINDOW_TITLES = {
 
 @dataclass(frozen=True, eq=False)  # compared (and hashed) by identity: one object per entry point
 class EntryPoint:
-    """A public entry point (or one cache layout of it), the kernel family that serves it, its name in
-    fa4_jax.cudnn, and the kinds of sequence lengths that matter to cuDNN's mask mapping, each as
-    (title, seqlen_q, seqlen_k or cache capacity) with representative small values."""
+    """A public entry point (or one cache layout of it), as its family declares it (`PublicEntry` in
+    fa4_jax/families/base.py), with the family that serves it."""
 
-    name: str
     family: KernelFamily
-    cudnn_entry: str
-    seqlens: tuple[tuple[str, int, int], ...]
-    paged: bool = False
+    entry: PublicEntry
+
+    name = property(lambda self: self.entry.name)
+    cudnn_entry = property(lambda self: self.entry.cudnn_entry)
+    seqlens = property(lambda self: self.entry.seqlens)
+    paged = property(lambda self: dict(self.entry.fixed).get("paged", False))  # rows per page size
 
     @property
     def features(self) -> tuple[tuple[str, tuple], ...]:
@@ -90,22 +92,14 @@ class EntryPoint:
     def variant(self, arch: str, dtype: str, head_dim: int, mask: str, softcap: bool):
         """The kernel this call needs on `arch`, or None when the family has no such kernel (e.g. a
         head_dim outside the family's HEAD_DIMS)."""
-        extra = {"paged": self.paged} if self.family is KVCACHE else {}
         try:
             return self.family.variant(arch=arch, dtype=dtype, head_dim=head_dim, mask=mask_kind(*WINDOWS[mask]),
-                                       softcap=softcap, **extra)
+                                       softcap=softcap, **dict(self.entry.fixed))
         except ValueError:
             return None
 
 
-_SQUARE = (("seqlen_q == seqlen_k", 64, 64), ("seqlen_q != seqlen_k", 32, 64))
-_DECODE = (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128))
-ENTRY_POINTS = (
-    EntryPoint("attention", FWD, "attention", _SQUARE),
-    EntryPoint("attention_with_kvcache (contiguous)", KVCACHE, "attention_with_kvcache", _DECODE),
-    EntryPoint("attention_with_kvcache (paged)", KVCACHE, "attention_with_kvcache", _DECODE, paged=True),
-    EntryPoint("attention_varlen", VARLEN, "attention_varlen", (("any lengths", 32, 64),)),
-)
+ENTRY_POINTS = tuple(EntryPoint(fam, entry) for fam in FAMILIES for entry in fam.entries)
 assert {e.family.name for e in ENTRY_POINTS} == {f.name for f in FAMILIES}, "an entry point per kernel family"
 
 BEGIN_MARKER = "<!-- support-matrix:begin -->"
@@ -122,11 +116,11 @@ def shipped_arches() -> tuple[str, ...]:
 def _fallback(entry: EntryPoint, device: Device, dtype: str, head_dim: int, mask: str, seqlens: str,
               softcap: bool, sinks: bool) -> str:
     """What `implementation=None` lowers to where no fa4_jax kernel serves the call: on an NVIDIA GPU
-    cuDNN when fa4_jax.cudnn.feature_reason says it computes the call exactly at that GPU's compute
+    cuDNN when fa4_jax.core.cudnn.feature_reason says it computes the call exactly at that GPU's compute
     capability, else (and on every other platform) the reference."""
-    if device.capability is None:
+    if device.capability is None or not entry.cudnn_entry:  # (a family without a cuDNN mapping)
         return REFERENCE
-    from fa4_jax import cudnn  # imports jax: only when the matrix is built
+    from fa4_jax.core import cudnn  # imports jax: only when the matrix is built
 
     (s_q, s_k), = [(q, k) for title, q, k in entry.seqlens if title == seqlens]
     reason = cudnn.feature_reason(entry.cudnn_entry, dtype=_DTYPE_NAMES[dtype], head_dim=head_dim, seqlen_q=s_q,
@@ -272,7 +266,7 @@ NOTES = (
     "by `FA4_JAX_VARIANTS`, a missing library or a kernel that does not load leaves the call to the next "
     "choice). cuDNN\\*: `jax.nn.dot_product_attention`'s cuDNN flash attention where it computes exactly "
     "fa4_jax's semantics, the reference for every other call; the table below says where, from "
-    "`fa4_jax/cudnn.py`, which explains why (cuDNN's masks are aligned top-left, ours bottom-right; it has no "
+    "`fa4_jax/core/cudnn.py`, which explains why (cuDNN's masks are aligned top-left, ours bottom-right; it has no "
     "softcap or sinks; paged caches and packed batches are not mapped). cuDNN also needs cuDNN >= 9.0 in "
     "jax (9.11 on compute capability 10.3), head_dim <= 128 below compute capability 9.0, static shapes, "
     "and a GPU known while lowering: a program exported without one (e.g. from a CPU host) keeps the "
@@ -286,7 +280,7 @@ def support_matrix_markdown() -> str:
     """The README's section between the support-matrix markers: the main table, the cuDNN table, notes."""
     cells = support_matrix()
     lines = [
-        "<!-- generated by `python -m fa4_jax.support --write` from fa4_jax.families and fa4_jax.cudnn; "
+        "<!-- generated by `python -m fa4_jax.support --write` from fa4_jax.families and fa4_jax.core.cudnn; "
         "do not edit by hand -->",
         "",
         "| entry point | head_dim | dtype | page size | " + " | ".join(d.title for d in DEVICES) + " |",

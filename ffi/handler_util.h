@@ -1,12 +1,16 @@
 // What every family's FFI handler does the same way: argument checks with the target's name in the
 // message, the dtype and scale/softcap rules, device queries, and the two stages' common tail
-// (initialize loads the variant on the device; execute checks alignment, makes sure the variant is
-// loaded and launches it). Included by ffi/<family>.cc after runtime.h and its generated table.
+// (initialize loads the variant on the device; execute makes sure it is loaded and launches it).
+// Included by each family's generated fa4_<family>.inc (fa4_jax/aot/codegen.py).
 #pragma once
 
 #include "runtime.h"
 
+#include "fa4_shared.inc"  // generated: kMaxSoftmaxScale, kMaxSoftcap (fa4_jax/families/base.py)
+
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -26,7 +30,7 @@ inline bool UsableF32(double x) {
   return std::isfinite(f) && f >= std::numeric_limits<float>::min();
 }
 
-// The mask kind for window bounds (-1 = unbounded); fa4_jax.families.fwd.mask_kind says the same in
+// The mask kind for window bounds (-1 = unbounded); fa4_jax.ops.fwd.spec.mask_kind says the same in
 // Python. `MaskEnum` is a family's generated Mask (kFull, kCausal, kLocal).
 template <typename MaskEnum>
 MaskEnum MaskKindOf(int32_t left, int32_t right) {
@@ -35,9 +39,8 @@ MaskEnum MaskKindOf(int32_t left, int32_t right) {
   return MaskEnum::kLocal;
 }
 
-// q's dtype (bf16 or f16), which every other buffer in `same` must share.
-inline ffi::Error ResolveDType(const char *target, ffi::DataType q, std::initializer_list<ffi::DataType> same,
-                               const char *names, DType &out) {
+// q's dtype (bf16 or f16); the generated checks made every other "input" buffer share it.
+inline ffi::Error ResolveDType(const char *target, ffi::DataType q, DType &out) {
   if (q == ffi::DataType::BF16) {
     out = DType::kBF16;
   } else if (q == ffi::DataType::F16) {
@@ -45,8 +48,6 @@ inline ffi::Error ResolveDType(const char *target, ffi::DataType q, std::initial
   } else {
     return InvalidArgument(target, "q must be bfloat16 or float16");
   }
-  for (ffi::DataType t : same)
-    if (t != q) return InvalidArgument(target, std::string(names) + " must share one dtype (bfloat16 or float16)");
   return ffi::Error::Success();
 }
 
@@ -57,15 +58,17 @@ struct SoftmaxArgs {
   float softcap_prescale;
 };
 
-// Upper bounds of the scale and the cap: fa4_jax/_validation.py (MAX_SOFTMAX_SCALE, MAX_SOFTCAP) says why.
-constexpr double kMaxSoftmaxScale = 1e4;
-constexpr double kMaxSoftcap = 1e6;
+inline std::string NumberText(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
+}
 
 inline ffi::Error ResolveSoftmax(const char *target, double scale, double cap, SoftmaxArgs &out) {
   constexpr double kLog2e = 1.4426950408889634;
   if (!(UsableF32(scale) && UsableF32(scale * kLog2e) && scale <= kMaxSoftmaxScale))
-    return InvalidArgument(target, "softmax_scale must be a positive normal float32 <= 1e4; got " +
-                                       std::to_string(scale));
+    return InvalidArgument(target, "softmax_scale must be a positive normal float32 <= " +
+                                       NumberText(kMaxSoftmaxScale) + "; got " + std::to_string(scale));
   if (!(std::isfinite(cap) && cap >= 0 && cap <= kMaxSoftcap) ||
       (cap > 0 && !(UsableF32(cap * kLog2e) && UsableF32(scale / cap))))
     return InvalidArgument(target, "softcap must be 0 or a positive float32 with softcap * log2(e) and "
@@ -80,6 +83,27 @@ inline ffi::Error CheckWindow(const char *target, int32_t left, int32_t right) {
     return InvalidArgument(target, "window bounds must be >= -1 (-1 = unbounded); got (" + std::to_string(left) +
                                        ", " + std::to_string(right) + ")");
   return ffi::Error::Success();
+}
+
+// What every attention family resolves alike from its generated Call: q's dtype, the softmax
+// arguments, the window bounds.
+template <typename Call>
+ffi::Error ResolveAttention(const char *target, const Call &c, DType &dtype, SoftmaxArgs &softmax) {
+  if (ffi::Error err = ResolveDType(target, c.q.element_type(), dtype); err.failure()) return err;
+  if (ffi::Error err = ResolveSoftmax(target, c.softmax_scale, c.softcap, softmax); err.failure()) return err;
+  return CheckWindow(target, c.window_left, c.window_right);
+}
+
+// The kernels' softmax and window arguments. An unbounded side becomes a bound that covers every key:
+// left = `keys` reaches key 0 from every row, right = `queries` reaches the last key (and keeps the
+// kernel's index arithmetic in int32).
+template <typename Params>
+void SetSoftmaxAndWindow(Params &p, const SoftmaxArgs &softmax, int32_t left, int32_t right, int64_t keys,
+                         int64_t queries) {
+  p.softmax_scale_log2 = softmax.scale_log2;
+  p.softcap_prescale = softmax.softcap_prescale;
+  p.window_left = static_cast<int32_t>(left < 0 ? keys : std::min<int64_t>(left, keys));
+  p.window_right = static_cast<int32_t>(right < 0 ? queries : std::min<int64_t>(right, queries));
 }
 
 // The current device, its compute capability and SM count.
@@ -110,21 +134,16 @@ inline ffi::Error NoVariant(const char *target, const std::string &key, int devi
                                                         built);
 }
 
-// The common tail of both stages. Initialize (run by XLA before any CUDA-graph capture) loads the
-// variant on the device. Execute checks the 16-byte alignment the kernels were compiled to assume
-// (assumed_align of their fake tensors; XLA's buffers are far more aligned, this guards other
-// callers), loads if needed (refused under capture) and launches.
+// The common tail of both stages (the generated Stage of each family calls it after the checks).
+// Initialize (run by XLA before any CUDA-graph capture) loads the variant on the device. Execute
+// loads it if needed (refused under capture) and launches.
 template <ffi::ExecutionStage kStage, typename Variant, typename Launch>
-ffi::Error FinishStage(const char *target, const Variant &variant, int device, cudaStream_t stream,
-                       std::initializer_list<const void *> aligned16, const char *aligned_names, Launch &&launch) {
+ffi::Error FinishStage(const char *target, const Variant &variant, int device, cudaStream_t stream, Launch &&launch) {
   if constexpr (kStage == ffi::ExecutionStage::kInitialize) {
     if (std::string err = EnsureLoaded(variant.info(), device); !err.empty())
       return ffi::Error::Internal(std::string(target) + ": " + variant.symbol + " cannot run: " + err);
     return ffi::Error::Success();
   } else {
-    for (const void *ptr : aligned16)
-      if (!Aligned(ptr, 16))
-        return InvalidArgument(target, std::string(variant.symbol) + ": " + aligned_names + " must be 16-byte aligned");
     if (ffi::Error err = PrepareForLaunch(target, variant.info(), stream, device); err.failure()) return err;
     return CheckedLaunch(target, variant.symbol, launch);
   }

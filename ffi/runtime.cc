@@ -1,5 +1,5 @@
 // Shared runtime of the FFI handlers (see runtime.h) and the library's exported C ABI, which
-// fa4_jax/_ffi.py reads with ctypes:
+// fa4_jax/core/library.py reads with ctypes:
 //   fa4_jax_num_targets / fa4_jax_target_name(i)     the FFI targets this build has
 //   fa4_jax_ffi_handler(target, stage)                 their XLA_FFI_Handler* per stage
 //   fa4_jax_num_variants / fa4_jax_variant_symbol(i)  every kernel variant, all families

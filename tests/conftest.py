@@ -94,8 +94,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def kernel_library(monkeypatch):
     """Pretend the kernel library holds every variant, for tests of what the CUDA lowering emits
     (they export for CUDA from this host, where the lowering asks only the library: see
-    fa4_jax/lowering.py). Without it those tests would depend on which variants a build has."""
-    from fa4_jax import _platform
+    fa4_jax/core/lowering.py). Without it those tests would depend on which variants a build has."""
+    from fa4_jax.core import platform as _platform
 
     monkeypatch.setattr(_platform, "library_reason", lambda make_variant: None)
 

@@ -52,7 +52,7 @@ def gpu_status() -> tuple[str, str | None]:
     """("run", None), ("skip", reason) or ("fail", reason) for every `gpu` test of this process."""
     import jax
 
-    from fa4_jax import _platform
+    from fa4_jax.core import platform as _platform
 
     host = gpu_host()
     required = os.environ.get(REQUIRE_ENV, "") == "1"
@@ -79,10 +79,10 @@ def gpu_status() -> tuple[str, str | None]:
 def library_menu() -> tuple[str, str]:
     """(spec, where): the FA4_JAX_VARIANTS the library was built with ("" = the full default menu) and
     where that was read."""
-    from fa4_jax import _ffi
+    from fa4_jax.core import library
     from fa4_jax.families import MENU_ENV
 
-    path = _ffi.library_path()
+    path = library.library_path()
     menu_file = None if path is None else path.parent / MENU_FILE
     if menu_file is not None and menu_file.is_file():
         spec = json.loads(menu_file.read_text()).get("fa4_jax_variants", "") or ""
@@ -93,15 +93,15 @@ def library_menu() -> tuple[str, str]:
 
 def kernel_variants() -> frozenset:
     """The library's variants, FFI targets registered; fails the test when there is no usable library."""
-    from fa4_jax import _ffi
+    from fa4_jax.core import library
 
-    registered = _ffi.register_targets()
-    built = _ffi.compiled_variants()
+    registered = library.register_targets()
+    built = library.compiled_variants()
     if not built:
-        pytest.fail(f"GPU run without the kernel library: {_ffi.library_status()}. Build it (pip install . or "
+        pytest.fail(f"GPU run without the kernel library: {library.library_status()}. Build it (pip install . or "
                     "python tools/build_inplace.py) or point FA4_JAX_LIBRARY at libfa4_jax.so.", pytrace=False)
     if not registered:
-        pytest.fail(f"the kernel library's FFI targets did not register: {_ffi.library_status()}", pytrace=False)
+        pytest.fail(f"the kernel library's FFI targets did not register: {library.library_status()}", pytrace=False)
     return built
 
 

@@ -1,4 +1,4 @@
-"""Isolation: memory a row may not read never changes that row (issue 13, GUIDE.md §7).
+"""Isolation: memory a row may not read never changes that row (issue 13; docs/DESIGN.md, isolation).
 
 A KV cache's slots past cache_seqlens[b], pages the row's table does not reach, another packed
 sequence's keys, keys past seqused_k, another vmapped slice: in a server they hold anything, NaN/Inf

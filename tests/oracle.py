@@ -63,6 +63,15 @@ def attention_oracle(q, k, v, *, softmax_scale: float, causal: bool = False, win
     return o, lse
 
 
+# The CPU tests' tolerances for fa4_jax's pure-JAX reference against this oracle (test_reference.py
+# derives them; test_kvcache.py and test_varlen.py run that reference too): one rounding of the output
+# plus float32 noise.
+# Unit roundoff (half the gap between 1 and the next number): 7 and 10 stored mantissa bits.
+UNIT_ROUNDOFF = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}
+F32_ATOL = 2e-5  # float32 accumulation over <= 256-term dot products and <= 300-key softmax sums
+LSE_ATOL = 1e-4
+
+
 def make_sinks(seed, h_q, scale=2.0):
     """Per-head sink logits of the same order as the scores (|s| ~ 1-3), so they move the softmax visibly."""
     return (scale * np.random.default_rng(seed).standard_normal(h_q)).astype(np.float32)
@@ -80,3 +89,25 @@ OPTION_CASES = {
     "sinks": dict(sinks=make_sinks(1, 8)),
     "everything": dict(causal=True, window_size=(11, -1), softcap=5.0, sinks=make_sinks(2, 8)),
 }
+
+
+def check_empty_result(o, lse, *, b, s_q, h_q, d, dtype, sinks=None):
+    """What attention answers for zero-size inputs (as jax.nn.dot_product_attention does): o of shape
+    (b, s_q, h_q, d) in the input dtype, all zero; lse (b, h_q, s_q) float32, -inf where a row sees no
+    key, or the head's sink logit when there are sinks."""
+    assert (o.shape, o.dtype) == ((b, s_q, h_q, d), dtype), f"{o.shape=} {o.dtype=}"
+    assert (lse.shape, lse.dtype) == ((b, h_q, s_q), jnp.float32), f"{lse.shape=} {lse.dtype=}"
+    assert np.all(np.asarray(o, np.float64) == 0.0)
+    want = np.broadcast_to(-np.inf if sinks is None else sinks[None, :, None], (b, h_q, s_q))
+    np.testing.assert_array_equal(lse, want)
+
+
+def refuse_to_run(monkeypatch, module, primitive_name: str, api_name: str):
+    """Make any bind of `module.<primitive_name>` (kernel or reference) fail the test: for the
+    validation tests, whose arguments must be rejected before anything runs."""
+
+    class Refuse:
+        def bind(self, *args, **kwargs):
+            raise AssertionError(f"{api_name} ran before its arguments were validated")
+
+    monkeypatch.setattr(module, primitive_name, Refuse())

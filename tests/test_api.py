@@ -15,17 +15,18 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import FwdVariant, _platform, attention, attention_reference
+from fa4_jax import FwdVariant, attention, attention_reference
+from fa4_jax.core import platform as _platform
 from fa4_jax.families import default_menu
-from fa4_jax.primitive import fa4_fwd_p
-from oracle import attention_oracle, make_sinks as _make_sinks
+from fa4_jax.ops.fwd.primitive import fa4_fwd_p
+from oracle import attention_oracle, check_empty_result, make_sinks as _make_sinks
 
 
 def make_sinks(seed, h_q=4):
     return _make_sinks(seed, h_q)
 
 # `fa4_jax.attention` the attribute is the function; the module is only reachable by its import name.
-api = importlib.import_module("fa4_jax.attention")
+api = importlib.import_module("fa4_jax.ops.fwd.api")
 
 STATIC = attention.STATIC_ARGNAMES
 BF16_U = 2.0**-8
@@ -104,7 +105,7 @@ BAD_OPTIONS = {
     "scale_overflows_f32": (dict(softmax_scale=1e39), ValueError, r"softmax_scale must be a normal float32 in about 1\.2e-38 \.\. 10000 \(larger scales turn the float32 softmax into an argmax it cannot resolve\); got softmax_scale=1e\+39"),
     "scale_underflows_f32": (dict(softmax_scale=1e-46), ValueError, r"normal float32.*got softmax_scale=1e-46"),
     "scale_denormal_f32": (dict(softmax_scale=1e-39), ValueError, r"normal float32.*got softmax_scale=1e-39"),
-    # Above the largest scale the float32 softmax resolves (fa4_jax._validation.MAX_SOFTMAX_SCALE),
+    # Above the largest scale the float32 softmax resolves (fa4_jax.core.validation.MAX_SOFTMAX_SCALE),
     # though a finite float32: 1e8 with N(0, 1) inputs used to return NaN rows.
     "scale_above_max": (dict(softmax_scale=1.0001e4), ValueError, r"softmax_scale must be a normal float32 in about 1\.2e-38 \.\. 10000.*got softmax_scale=10001\.0"),
     "scale_1e8": (dict(softmax_scale=1e8), ValueError, r"\.\. 10000 .*got softmax_scale=100000000\.0"),
@@ -409,11 +410,7 @@ def test_zero_size_inputs(b, s_q, s_k, with_sinks):
     sinks = make_sinks(28) if with_sinks else None
     for f in (attention, jax.jit(attention, static_argnames=STATIC)):
         o, lse = f(q, k, v, causal=True, sinks=sinks, return_lse=True)
-        assert (o.shape, o.dtype) == ((b, s_q, 4, 64), jnp.bfloat16), f"{o.shape=} {o.dtype=}"
-        assert (lse.shape, lse.dtype) == ((b, 4, s_q), jnp.float32), f"{lse.shape=} {lse.dtype=}"
-        assert np.all(f64(o) == 0.0)
-        want = np.broadcast_to(-np.inf if sinks is None else sinks[None, :, None], (b, 4, s_q))
-        np.testing.assert_array_equal(lse, want)
+        check_empty_result(o, lse, b=b, s_q=s_q, h_q=4, d=64, dtype=jnp.bfloat16, sinks=sinks)
 
 
 # -- implementation choice ----------------------------------------------------------------------
@@ -448,7 +445,7 @@ class FakeDevice:
 
 
 def fake_ffi(built=(), status="loaded /opt/libfa4_jax.so", registers=True, load_error=None):
-    """Stands in for fa4_jax._ffi (contract: compiled_variants, register_targets, library_status,
+    """Stands in for fa4_jax.core.library (contract: compiled_variants, register_targets, library_status,
     prepare_variant)."""
     calls = []
     module = types.SimpleNamespace(
@@ -467,8 +464,8 @@ def hopper(monkeypatch):
 
     def install(**kw):
         module, calls = fake_ffi(**kw)
-        monkeypatch.setitem(sys.modules, "fa4_jax._ffi", module)
-        monkeypatch.setattr(fa4_jax, "_ffi", module, raising=False)
+        monkeypatch.setitem(sys.modules, "fa4_jax.core.library", module)
+        monkeypatch.setattr(fa4_jax.core, "library", module, raising=False)
         return calls
 
     return install
@@ -476,7 +473,7 @@ def hopper(monkeypatch):
 
 def falls_back(variant, device=None) -> bool:
     """Whether implementation=None runs the reference when lowered for CUDA on `device` (the fake
-    H200 by default): the question fa4_jax.lowering asks fa4_jax._platform."""
+    H200 by default): the question fa4_jax.core.lowering asks fa4_jax.core.platform."""
     return _platform.lowering_reason(variant, [device or FakeDevice()]) is not None
 
 
@@ -543,11 +540,11 @@ def test_non_hopper_gpu(monkeypatch):
 
 def test_missing_ffi_module(monkeypatch):
     monkeypatch.setattr(_platform, "default_device", lambda: FakeDevice())
-    monkeypatch.setitem(sys.modules, "fa4_jax._ffi", None)  # makes the import raise ImportError
-    monkeypatch.delattr(fa4_jax, "_ffi", raising=False)
+    monkeypatch.setitem(sys.modules, "fa4_jax.core.library", None)  # makes the import raise ImportError
+    monkeypatch.delattr(fa4_jax.core, "library", raising=False)
     q, k, v = make_qkv(12)
     assert falls_back(variant_fn())
-    with pytest.raises(RuntimeError, match=r"the FFI loader fa4_jax\._ffi cannot be imported"):
+    with pytest.raises(RuntimeError, match=r"the FFI loader fa4_jax\.core\.library cannot be imported"):
         attention(q, k, v, implementation="fa4")
 
 

@@ -1,7 +1,7 @@
 """The built kernel library (CPU-only checks; no GPU needed).
 
 libfa4_jax.so must load with ctypes on a machine without a GPU or CUDA driver, export the plain C
-ABI that fa4_jax._ffi uses, and contain exactly the variant menu it was built with (recorded by the
+ABI that fa4_jax.core.library uses, and contain exactly the variant menu it was built with (recorded by the
 exporter in fa4_menu.json next to the library).
 
 Without a built library these tests skip, except under CI (CI=true), where the build is part of
@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from fa4_jax import _ffi
+from fa4_jax.core import library as _ffi
 from fa4_jax.families import FAMILIES, menu_from_env, variant_from_symbol
 
 # The library's whole C ABI (ffi/runtime.cc); every family's handlers are reached through it.

@@ -1,4 +1,4 @@
-"""cuDNN on GPUs without our kernels (fa4_jax/cudnn.py), on the CPU: when the mapping is exact
+"""cuDNN on GPUs without our kernels (fa4_jax/core/cudnn.py), on the CPU: when the mapping is exact
 (cudnn_reason), what implementation="cudnn" refuses and how, and which path the CUDA lowering picks.
 
 The lowering tests export for CUDA from this host with the target GPUs and cuDNN version mocked (the
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fa4_jax
-from fa4_jax import _compat, cudnn, lowering
+from fa4_jax.core import compat as _compat, cudnn, lowering
 
 BF16 = jnp.bfloat16
 CUDNN_TARGET = "__cudnn$fmhaSoftmax"  # forward with softmax statistics (the LSE)
@@ -286,7 +286,7 @@ def test_kernel_first_then_cudnn_when_hidden(target, monkeypatch):
     target(H100)
     # A Hopper whose kernel loads (the device probe needs a GPU: stubbed) runs the kernel ...
     with monkeypatch.context() as m:
-        m.setattr(lowering._platform, "lowering_reason", lambda make_variant, devices: None)
+        m.setattr(lowering.platform, "lowering_reason", lambda make_variant, devices: None)
         assert path(cuda_module(dense(causal=True), *DENSE)) == "kernel"
     # ... and with the kernels hidden, cuDNN (the real device probe stops at the variable).
     monkeypatch.setenv("FA4_JAX_DISABLE_KERNELS", "1")
@@ -317,7 +317,7 @@ def test_unknown_target_gpus_keep_kernel_or_reference(target, monkeypatch):
     # jax.export does not know the GPUs: cuDNN is never chosen, the library decides as before.
     target(None)
     with monkeypatch.context() as m:  # (the kernel_library fixture's stub: a library holding every variant)
-        m.setattr(lowering._platform, "library_reason", lambda make_variant: None)
+        m.setattr(lowering.platform, "library_reason", lambda make_variant: None)
         assert path(cuda_module(dense(causal=True), *DENSE)) == "kernel"
     monkeypatch.setenv("FA4_JAX_DISABLE_KERNELS", "1")
     assert path(cuda_module(dense(causal=True), *DENSE)) == "reference"

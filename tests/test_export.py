@@ -19,6 +19,7 @@ import pytest
 import fa4_jax
 from export_case import inputs, step
 from fa4_jax.export import ffi_targets
+from fa4_jax.families import KVCACHE
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,7 +39,7 @@ def kernel_calls(exported) -> list[str]:
 
 @pytest.fixture(scope="module")
 def library():
-    from fa4_jax import _ffi
+    from fa4_jax.core import library as _ffi
 
     if not _ffi.compiled_variants():
         pytest.fail(f"these tests need the built kernel library: {_ffi.library_status()}")
@@ -82,7 +83,7 @@ def _bf16(rng, *shape):
 def test_split_capacity_with_symbolic_dims_bounds_every_value():
     # The workspace extent must be static and hold every split count num_splits=None may pick for any
     # value the symbolic dims take at run time.
-    from fa4_jax.primitive_kvcache import split_capacity
+    from fa4_jax.ops.kvcache.primitive import split_capacity
 
     b, cap = jax.export.symbolic_shape("b, cap")
     for h_q, h_k, s_q in [(8, 2, 1), (32, 8, 1), (8, 8, 4), (4, 1, 1)]:
@@ -115,9 +116,9 @@ def test_kvcache_symbolic_batch_and_capacity_exports_and_runs(kernel_library, pa
                                                        ((b, n, h_k, d), jnp.bfloat16), ((b,), jnp.int32)]]
         fn = lambda q, k, v, lens: fa4_jax.attention_with_kvcache(q, k, v, lens, causal=True)  # noqa: E731
     cuda = _symbolic_export(fn, specs, ["cuda"])
-    assert kernel_calls(cuda) == ["fa4_jax_kvcache_v1"]
+    assert kernel_calls(cuda) == [KVCACHE.target]
     # The split workspace results have a static extent (the bound over every b and capacity).
-    (call,) = [line for line in cuda.mlir_module().splitlines() if "custom_call @fa4_jax_kvcache_v1" in line]
+    (call,) = [line for line in cuda.mlir_module().splitlines() if "custom_call @" + KVCACHE.target in line]
     workspace = re.findall(r"tensor<(\d+)x\?x1x8x128xf32>", call)
     assert len(workspace) == 1 and 1 <= int(workspace[0]) <= 256, call[-400:]
 
@@ -190,7 +191,7 @@ def _without_locations(text: str) -> str:
 
 
 def test_export_hint_changes_only_locations(kernel_library, monkeypatch):
-    from fa4_jax import lowering
+    from fa4_jax.core import lowering
 
     def module(hint):
         monkeypatch.setattr(lowering, "EXPORT_HINT", hint)

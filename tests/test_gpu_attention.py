@@ -376,7 +376,7 @@ def test_missing_variant_raises(built_variants, monkeypatch):
 
     With the full default menu built nothing is missing: the Python side is then shown a library
     without one variant (the FFI-level error path is test_ffi_error_is_python_exception's)."""
-    from fa4_jax import _ffi
+    from fa4_jax.core import library as _ffi
 
     missing = [v for v in default_menu() if v.arch == "sm90" and v not in built_variants]
     narrowed = bool(missing)
@@ -528,7 +528,7 @@ LOAD_FAILURE_SCRIPT = """
 import functools, os, numpy as np, jax, jax.numpy as jnp, fa4_jax
 from accuracy import check_against_reference
 from oracle import attention_oracle
-from fa4_jax.primitive import fa4_fwd_p
+from fa4_jax.ops.fwd.primitive import fa4_fwd_p
 q, k, v = (jax.random.normal(kk, (1, 200, 2, 128), jnp.float32).astype(jnp.bfloat16)
            for kk in jax.random.split(jax.random.key(0), 3))
 want = fa4_jax.attention(q, k, v, implementation="xla")
@@ -545,7 +545,7 @@ except RuntimeError as e:
     assert "simulated by FA4_JAX_FAIL_MODULE_LOAD" in str(e), e
 # 2. The FFI handler itself (the Python checks of the call and of the lowering bypassed): an FFI
 #    error, not a crash.
-from fa4_jax import _platform
+from fa4_jax.core import platform as _platform
 _platform.lowering_reason = lambda make_variant, devices: None
 raw = jax.jit(lambda q, k, v: tuple(fa4_fwd_p.bind(q, k, v, softmax_scale=128 ** -0.5, window_left=-1,
                                                    window_right=-1, softcap=0.0, has_sinks=False, implementation="fa4")))

@@ -1,7 +1,7 @@
 """cuDNN as the path of a GPU without our kernels (issue 13 §4), on the H200 (`@pytest.mark.gpu`).
 
 FA4_JAX_DISABLE_KERNELS=1 hides the fa4_jax kernels, so implementation=None takes the path of an
-A100/L40/B200: cuDNN where it computes exactly the call (fa4_jax/cudnn.py), else the reference. Each
+A100/L40/B200: cuDNN where it computes exactly the call (fa4_jax/core/cudnn.py), else the reference. Each
 case checks the compiled program (it holds the cuDNN custom call and no fa4_jax call, or neither) and
 the numbers (tests/accuracy.py's rule against the fp32 oracle, the XLA path as the yardstick).
 Every program is jitted afresh after the variable is set: the choice is made while lowering.
@@ -196,7 +196,7 @@ def test_explicit_cudnn_refuses_what_it_cannot_express():
 
 def test_auto_with_kernels_prefers_the_kernel():
     # Without the variable a Hopper GPU with the library runs our kernel, not cuDNN.
-    from fa4_jax import _ffi
+    from fa4_jax.core import library as _ffi
 
     if not _ffi.compiled_variants():
         pytest.skip(f"no kernel library: {_ffi.library_status()}")

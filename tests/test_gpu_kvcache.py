@@ -1,6 +1,6 @@
 """The KV-cache entry points on the GPU (`@pytest.mark.gpu`): in-place cache updates in bf16 (XLA:CPU
 converts bf16 scatters through float32, so only a GPU shows the real program), and the KV-cache kernel
-(fa4_jax/kernels/kvcache_sm90.py) against the fp32 oracle with the accuracy rule of tests/accuracy.py
+(fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.kvcache) against the fp32 oracle with the accuracy rule of tests/accuracy.py
 (O and LSE; the XLA path on the same inputs is the yardstick), each case twice with fresh inputs after
 poisoning the allocator. Every kernel call is implementation="fa4": a missing kernel fails, never
 falls back to the reference (tests/gpu_menu.py says when a case may skip)."""
@@ -239,17 +239,16 @@ def test_kvcache_ffi_rejects_num_splits_over_workspace(built):
     _require(built, "bf16", 128, {}, False)
     from fa4_jax.families import KVCACHE
 
+    from fa4_jax.core.ffi_call import kernel_call
+
     q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
     kc = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
-    call = jax.ffi.ffi_call(KVCACHE.target, (
-        jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 8, 1), jnp.float32),
-        jax.ShapeDtypeStruct((2, 1, 1, 8, 128), jnp.float32), jax.ShapeDtypeStruct((2, 1, 8, 1), jnp.float32)))
+    # The family's own FFI call with a workspace of 2 splits, asked for 3 (the API never does this).
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"num_splits must be 0 \(auto\) or in \[1, 2\] \(the workspace's extent\); got 3"):
-        jax.block_until_ready(call(q, kc, kc, jnp.array([10], jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                                   jnp.full((8,), -jnp.inf, jnp.float32), softmax_scale=np.float32(0.1),
-                                   softcap=np.float32(0), window_left=np.int32(-1), window_right=np.int32(-1),
-                                   num_splits=np.int32(3), paged=False))
+        jax.block_until_ready(kernel_call(
+            KVCACHE, dict(q=q, k_cache=kc, v_cache=kc, cache_seqlens=jnp.array([10], jnp.int32)),
+            dict(softmax_scale=0.1, softcap=0.0, window_left=-1, window_right=-1, num_splits=3), dims=dict(splits=2)))
 
 
 @pytest.mark.parametrize("s_q", [1, 2])

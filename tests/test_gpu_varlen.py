@@ -1,4 +1,4 @@
-"""The varlen kernel (fa4_jax/kernels/varlen_sm90.py) on the GPU (`@pytest.mark.gpu`) against the fp32
+"""The varlen kernel (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.varlen) on the GPU (`@pytest.mark.gpu`) against the fp32
 oracle, with the accuracy rule of tests/accuracy.py (O and LSE): each sequence is plain attention of its
 own rows over its own keys (bottom-right aligned), rows past cu_seqlens_q[-1] are o = 0. Twice per case
 with fresh inputs after poisoning the allocator. Every kernel call is implementation="fa4" (a missing

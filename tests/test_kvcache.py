@@ -19,15 +19,13 @@ import numpy as np
 import pytest
 
 from fa4_jax import attention_with_kvcache, update_kvcache
-from oracle import OPTION_CASES, attention_oracle, make_sinks, visible_mask
+from oracle import (F32_ATOL, LSE_ATOL, OPTION_CASES, UNIT_ROUNDOFF, attention_oracle, make_sinks,
+                    refuse_to_run, visible_mask)
 
 # The module itself: the no_run fixture replaces the reference it calls.
-kvcache = importlib.import_module("fa4_jax.kvcache")
+kvcache = importlib.import_module("fa4_jax.ops.kvcache.api")
 
 STATIC = attention_with_kvcache.STATIC_ARGNAMES
-UNIT_ROUNDOFF = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
-F32_ATOL = 2e-5
-LSE_ATOL = 1e-4
 D = 64
 SCALE = D**-0.5  # the default softmax_scale at head_dim 64
 
@@ -227,7 +225,7 @@ def test_num_splits_does_not_change_the_result():
 def test_num_splits_reaches_the_primitive(num_splits, param):
     # The kernel's split count is the primitive's param (0 = pick at run time); the reference ignores it,
     # so only the bound equation shows whether the API passed it on.
-    from fa4_jax.primitive_kvcache import fa4_kvcache_p
+    from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p
 
     q, k, v = make_inputs(42, b=2, s_q=1, cache_shape=(2, 16), h_q=4, h_k=2)
     jaxpr = jax.make_jaxpr(lambda q, k, v, n: attention_with_kvcache(q, k, v, n, num_splits=num_splits))(
@@ -241,12 +239,7 @@ def test_num_splits_reaches_the_primitive(num_splits, param):
 @pytest.fixture
 def no_run(monkeypatch):
     """Any bind of the primitive (kernel or reference) fails the test: validation must come first."""
-
-    class Refuse:
-        def bind(self, *args, **kwargs):
-            raise AssertionError("attention_with_kvcache ran before its arguments were validated")
-
-    monkeypatch.setattr(kvcache, "fa4_kvcache_p", Refuse())
+    refuse_to_run(monkeypatch, kvcache, "fa4_kvcache_p", "attention_with_kvcache")
 
 
 @pytest.mark.parametrize(
@@ -555,23 +548,25 @@ def _bad_update(*, new_heads=2, new_dtype=jnp.bfloat16, v_new_len=3, v_dtype=Non
     return k, v, k_new, v_new, np.array([1, 2], np.int32) if seqlens is None else seqlens
 
 
+def _k_new_message(k_new):
+    """The message for a k_new (regex of its shape and dtype) that does not fit the (2, 8, 2, 64) cache."""
+    return (r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and dtype; "
+            rf"got k_new {k_new}, k_cache \(2, 8, 2, 64\) bfloat16")
+
+
+def _v_new_message(v_new):
+    """The message for a v_new (regex of its shape and dtype) unlike the (2, 3, 2, 64) bfloat16 k_new."""
+    return rf"k_new and v_new must have the same shape and dtype; got k_new \(2, 3, 2, 64\) bfloat16, v_new {v_new}"
+
+
 BAD_UPDATES = {
     # The kv heads must match the cache's; the message must be about k_new (there is no q here).
-    "k_new_more_heads": (lambda: _bad_update(new_heads=4), ValueError,
-                         r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and dtype; "
-                         r"got k_new \(2, 3, 4, 64\) bfloat16, k_cache \(2, 8, 2, 64\) bfloat16"),
-    "k_new_fewer_heads": (lambda: _bad_update(new_heads=1), ValueError,
-                          r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and dtype; "
-                          r"got k_new \(2, 3, 1, 64\) bfloat16, k_cache \(2, 8, 2, 64\) bfloat16"),
+    "k_new_more_heads": (lambda: _bad_update(new_heads=4), ValueError, _k_new_message(r"\(2, 3, 4, 64\) bfloat16")),
+    "k_new_fewer_heads": (lambda: _bad_update(new_heads=1), ValueError, _k_new_message(r"\(2, 3, 1, 64\) bfloat16")),
     "k_new_dtype": (lambda: _bad_update(new_dtype=jnp.float16), ValueError,
-                    r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and dtype; "
-                    r"got k_new \(2, 3, 2, 64\) float16, k_cache \(2, 8, 2, 64\) bfloat16"),
-    "v_new_shape": (lambda: _bad_update(v_new_len=2), ValueError,
-                    r"k_new and v_new must have the same shape and dtype; got k_new \(2, 3, 2, 64\) bfloat16, "
-                    r"v_new \(2, 2, 2, 64\) bfloat16"),
-    "v_new_dtype": (lambda: _bad_update(v_dtype=jnp.float16), ValueError,
-                    r"k_new and v_new must have the same shape and dtype; got k_new \(2, 3, 2, 64\) bfloat16, "
-                    r"v_new \(2, 3, 2, 64\) float16"),
+                    _k_new_message(r"\(2, 3, 2, 64\) float16")),
+    "v_new_shape": (lambda: _bad_update(v_new_len=2), ValueError, _v_new_message(r"\(2, 2, 2, 64\) bfloat16")),
+    "v_new_dtype": (lambda: _bad_update(v_dtype=jnp.float16), ValueError, _v_new_message(r"\(2, 3, 2, 64\) float16")),
     "seqlens_int64": (lambda: _bad_update(seqlens=np.array([1, 2], np.int64)), TypeError,
                       r"cache_seqlens must be int32 \(batch,\).*got cache_seqlens\.dtype=int64"),
     "seqlens_float32": (lambda: _bad_update(seqlens=np.array([1, 2], np.float32)), TypeError,

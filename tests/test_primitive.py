@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fa4_jax.reference as reference
+import fa4_jax.core.reference as reference
 from fa4_jax import attention_reference
 from fa4_jax.families import FWD
-from fa4_jax.primitive import fa4_fwd, fa4_fwd_p
+from fa4_jax.ops.fwd.primitive import fa4_fwd, fa4_fwd_p
 from oracle import attention_oracle
 
 # What the CUDA lowering emits must not depend on which variants this host's build has.
@@ -310,7 +310,7 @@ def test_direct_bind_validates_sinks(sinks, has_sinks, error, message):
 def test_references_reject_causal_with_a_right_window(entry, window_size):
     # The primitives' XLA bodies take causal too (the primitives themselves take it folded into
     # window_right): causal with a right window of even one key contradicts itself.
-    from fa4_jax.reference import attention_varlen_reference, attention_with_kvcache_reference
+    from fa4_jax import attention_varlen_reference, attention_with_kvcache_reference
 
     rng = np.random.default_rng(3)
     x = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(jnp.bfloat16)  # noqa: E731
@@ -373,7 +373,7 @@ def test_fa4_param_lowered_for_cpu_raises(platforms):
 def test_auto_without_the_variant_lowers_the_reference_for_cuda(monkeypatch):
     # Exported for CUDA from a host whose library lacks the kernel: "auto" carries the reference,
     # "fa4" says why it cannot.
-    from fa4_jax import _platform
+    from fa4_jax.core import platform as _platform
 
     monkeypatch.setattr(_platform, "library_reason", lambda make_variant: f"no {make_variant('sm90').symbol}")
     f = functools.partial(fa4_fwd, softmax_scale=0.1, implementation="auto")
@@ -398,7 +398,7 @@ def test_shape_polymorphic_export():
     # (jax adds shape_assertion custom calls that check the dims at call time)
     assert [c for c in custom_calls(text) if c != "shape_assertion"] == [TARGET]
     assert "stablehlo.while" in text, "the symbolic reference branch must chunk the queries"
-    chunk = reference._auto_chunk(b, s, 8, s)
+    chunk = reference.auto_chunk(b, s, 8, s)
 
     sinks = np.linspace(-1.0, 2.0, 8).astype(np.float32)
     ref_kwargs = dict(softmax_scale=0.125, window_size=(9, 0), softcap=12.0, sinks=sinks)

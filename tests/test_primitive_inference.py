@@ -19,9 +19,9 @@ import pytest
 
 from fa4_jax import attention_varlen, attention_with_kvcache
 from fa4_jax.families import KVCACHE, VARLEN
-from fa4_jax.families.kvcache import auto_split_capacity
-from fa4_jax.primitive_kvcache import fa4_kvcache_p
-from fa4_jax.primitive_varlen import fa4_varlen_p
+from fa4_jax.ops.kvcache.spec import auto_split_capacity
+from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p
+from fa4_jax.ops.varlen.primitive import fa4_varlen_p
 
 # What the CUDA lowering emits must not depend on which variants this host's build has.
 pytestmark = pytest.mark.usefixtures("kernel_library")
@@ -105,10 +105,11 @@ def vl_bind(q, k, v, cu_q, cu_k, seqused_k=None, sinks=None, *, softmax_scale=0.
                                    implementation=implementation))
 
 
-def test_targets_are_the_v1_abis():
+def test_targets_are_the_current_abis():
     # The FFI ABI names: the C++ handlers register them and serialized exports name them, so a
-    # change must be deliberate (a new version suffix), never a side effect.
-    assert KV_TARGET == "fa4_jax_kvcache_v1", f"{KV_TARGET=}"
+    # change must be deliberate (a new version suffix), never a side effect. kvcache v2: an absent
+    # page table is a zero-size operand with has_page_table = false (v1: a dummy table and `paged`).
+    assert KV_TARGET == "fa4_jax_kvcache_v2", f"{KV_TARGET=}"
     assert VL_TARGET == "fa4_jax_varlen_v1", f"{VL_TARGET=}"
 
 
@@ -167,7 +168,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     if paged:
         assert names[4] == "%arg4", f"the page table must be passed as is: {names=}"
     else:
-        assert is_splat(text, names[4], (1, 1), "i32", "0"), f"page_table operand {names[4]} is not a (1, 1) zero"
+        assert is_splat(text, names[4], (0, 0), "i32", "0"), f"page_table operand {names[4]} is not a (0, 0) array"
     if with_sinks:
         assert names[5] == f"%arg{4 + paged}", f"{names=}"
         assert NEG_INF_F32 not in text, "given sinks must not be replaced by the -inf default"
@@ -179,7 +180,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     operands, results = signature(line)
     assert operands == [
         tensor((B, S_Q, H_Q, D), "bf16"), kv_type, kv_type, tensor((B,), "i32"),
-        tensor((B, MAX_PAGES) if paged else (1, 1), "i32"), tensor((H_Q,), "f32"),
+        tensor((B, MAX_PAGES) if paged else (0, 0), "i32"), tensor((H_Q,), "f32"),
     ], f"{operands=}"
     assert results == [
         tensor((B, S_Q, H_Q, D), "bf16"), tensor((B, H_Q, S_Q), "f32"),
@@ -188,7 +189,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     ], f"{results=}"
 
     # Typed-FFI attributes with the types ffi/kvcache.cc decodes.
-    for attribute in (f"num_splits = {num_splits} : i32", f"paged = {'true' if paged else 'false'}",
+    for attribute in (f"num_splits = {num_splits} : i32", f"has_page_table = {'true' if paged else 'false'}",
                       "softmax_scale = 6.250000e-02 : f32", "softcap = 3.000000e+01 : f32",
                       "window_left = 100 : i32", "window_right = 0 : i32"):
         assert attribute in line, f"{attribute=} missing from {line}"
@@ -436,12 +437,12 @@ def test_kvcache_vmap_is_one_custom_call(paged, with_sinks, in_axes):
     assert operands[0] == tensor((b, S_Q, h_q, D), "bf16"), f"{operands=}"
     assert operands[1] == operands[2] == tensor(cache_type.shape, "bf16"), f"{operands=}"
     assert operands[3] == tensor((b,), "i32"), f"{operands=}"
-    assert operands[4] == (tensor((b, 8), "i32") if paged else tensor((1, 1), "i32")), f"{operands=}"
+    assert operands[4] == (tensor((b, 8), "i32") if paged else tensor((0, 0), "i32")), f"{operands=}"
     assert operands[5] == tensor((h_q,), "f32"), f"{operands=}"
     assert results == [tensor((b, S_Q, h_q, D), "bf16"), tensor((b, h_q, S_Q), "f32"),
                        tensor((cap, b, S_Q, h_q, D), "f32"), tensor((cap, b, h_q, S_Q), "f32")], f"{results=}"
     for attribute in ("window_left = 16 : i32", "window_right = 0 : i32", "softcap = 5.000000e+00 : f32",
-                      f"paged = {'true' if paged else 'false'}", "num_splits = 0 : i32"):
+                      f"has_page_table = {'true' if paged else 'false'}", "num_splits = 0 : i32"):
         assert attribute in line, f"{attribute=}"
     assert [a.shape for a in exported.out_avals] == [(N, B, S_Q, H_Q, D), (N, B, H_Q, S_Q)]
 

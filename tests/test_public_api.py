@@ -16,7 +16,7 @@ import pytest
 
 import fa4_jax
 import fa4_jax.export
-import fa4_jax.sharding
+import fa4_jax.core.partitioning
 
 def _public_callables(module) -> list[tuple[str, object]]:
     return [(name, getattr(module, name)) for name in module.__all__ if callable(getattr(module, name))]
@@ -81,7 +81,7 @@ def test_all_is_the_public_api():
 
 
 def test_entry_points_are_the_functions_not_submodules():
-    # `from fa4_jax.attention import attention` rebinds the name the submodule import set.
+    # `from fa4_jax import attention` rebinds the name the submodule import set.
     for name in ("attention", "attention_with_kvcache", "update_kvcache", "attention_varlen"):
         assert inspect.isfunction(getattr(fa4_jax, name)), name
 
@@ -97,7 +97,7 @@ def test_return_hints_say_what_return_lse_switches():
         assert set(typing.get_args(hints["implementation"])) == {typing.Literal["fa4", "cudnn", "xla"], type(None)}
     pair = tuple[jax.Array, jax.Array]
     for func in (fa4_jax.attention_reference, fa4_jax.attention_with_kvcache_reference,
-                 fa4_jax.attention_varlen_reference, fa4_jax.update_kvcache, fa4_jax.sharding.merge_partials):
+                 fa4_jax.attention_varlen_reference, fa4_jax.update_kvcache, fa4_jax.ops.kvcache.sharding.merge_partials):
         assert typing.get_type_hints(func)["return"] == pair, func.__name__
 
 
@@ -108,7 +108,7 @@ def test_export_module_api():
 
 
 def test_merge_partials_is_documented_and_annotated():
-    func = fa4_jax.sharding.merge_partials
+    func = fa4_jax.ops.kvcache.sharding.merge_partials
     assert (func.__doc__ or "").strip()
     assert _missing_annotations(func) == []
 

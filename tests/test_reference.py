@@ -13,14 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fa4_jax.reference as reference
+import fa4_jax.core.reference as reference
 from fa4_jax import attention_reference
-from oracle import attention_oracle, make_sinks, visible_mask
-
-# Unit roundoff (half the gap between 1 and the next number): 7 and 10 stored mantissa bits.
-UNIT_ROUNDOFF = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-24}
-F32_ATOL = 2e-5  # float32 accumulation over <= 256-term dot products and <= 300-key softmax sums
-LSE_ATOL = 1e-4
+from oracle import F32_ATOL, LSE_ATOL, UNIT_ROUNDOFF, attention_oracle, check_empty_result, make_sinks, visible_mask
 
 
 def make_qkv(seed, *, b=2, s_q=33, s_k=33, h_q=4, h_k=2, d=64, dtype=jnp.bfloat16, scale=1.0):
@@ -206,11 +201,7 @@ def test_zero_size(b, s_q, s_k, with_sinks):
     q, k, v = make_qkv(6, b=b, s_q=s_q, s_k=s_k)
     sinks = make_sinks(7, 4) if with_sinks else None
     o, lse = attention_reference(q, k, v, causal=True, softmax_scale=0.125, sinks=sinks)
-    assert (o.shape, o.dtype) == ((b, s_q, 4, 64), jnp.bfloat16), f"{o.shape=} {o.dtype=}"
-    assert (lse.shape, lse.dtype) == ((b, 4, s_q), jnp.float32), f"{lse.shape=} {lse.dtype=}"
-    assert np.all(f64(o) == 0.0)
-    want = np.broadcast_to(-np.inf if sinks is None else sinks[None, :, None], (b, 4, s_q))
-    np.testing.assert_array_equal(lse, want)
+    check_empty_result(o, lse, b=b, s_q=s_q, h_q=4, d=64, dtype=jnp.bfloat16, sinks=sinks)
 
 
 def test_causal_decode_sees_every_key():
@@ -257,7 +248,7 @@ def test_query_chunk_does_not_change_the_result(s_q, s_k):
     # moves results by orders of magnitude more.
     q, k, v = make_qkv(3500 + s_q, s_q=s_q, s_k=s_k, h_q=8, h_k=2)
     kwargs = dict(softmax_scale=0.125, window_size=(13, 2), softcap=10.0, sinks=make_sinks(3501, 8))
-    assert reference._auto_chunk(2, s_q, 8, s_k) == 0, "the default must be the unchunked path here"
+    assert reference.auto_chunk(2, s_q, 8, s_k) == 0, "the default must be the unchunked path here"
     o, lse = attention_reference(q, k, v, **kwargs)
     o16, lse16 = attention_reference(q, k, v, query_chunk=16, **kwargs)
     mag = np.maximum(np.maximum(np.abs(f64(o)), np.abs(f64(o16))), 2.0**-126)
@@ -271,7 +262,7 @@ def test_automatic_chunking(monkeypatch):
     # Shrink the budget so a small problem takes the chunked path the default would take at scale.
     b, h_q, s_k = 2, 4, 96
     monkeypatch.setattr(reference, "SCORE_BUDGET", b * h_q * s_k * 8)
-    assert reference._auto_chunk(b, 70, h_q, s_k) == 8
+    assert reference.auto_chunk(b, 70, h_q, s_k) == 8
     q, k, v = make_qkv(21, b=b, s_q=70, s_k=s_k, h_q=h_q, h_k=2)
     jaxpr = str(jax.make_jaxpr(lambda *a: attention_reference(*a, causal=True, softmax_scale=0.1))(q, k, v))
     assert "scan" in jaxpr or "while" in jaxpr, "expected lax.map over query chunks"
@@ -280,13 +271,13 @@ def test_automatic_chunking(monkeypatch):
 
 def test_auto_chunk_default_budget():
     # A 32k x 32k, 32-head prefill must not ask for one 128 GiB score tile ...
-    rows = reference._auto_chunk(1, 32768, 32, 32768)
+    rows = reference.auto_chunk(1, 32768, 32, 32768)
     assert rows == 64 and rows * 32 * 32768 <= reference.SCORE_BUDGET, f"{rows=}"
     # ... the batch counts too ...
-    assert reference._auto_chunk(4, 32768, 32, 32768) == 16
+    assert reference.auto_chunk(4, 32768, 32, 32768) == 16
     # ... while anything that fits runs as one block (no sequential loop), and 1-row budgets still work.
-    assert reference._auto_chunk(1, 4096, 4, 4096) == 0
-    assert reference._auto_chunk(1, 10, 1, reference.SCORE_BUDGET * 3) == 1
+    assert reference.auto_chunk(1, 4096, 4, 4096) == 0
+    assert reference.auto_chunk(1, 10, 1, reference.SCORE_BUDGET * 3) == 1
 
 
 def test_auto_chunk_symbolic_dims():
@@ -295,9 +286,9 @@ def test_auto_chunk_symbolic_dims():
     b, s = jax.export.symbolic_shape("b, s")
     want = reference.SCORE_BUDGET // (8 * reference.SYMBOLIC_SEQLEN_K_GUESS)
     assert want == 512
-    assert reference._auto_chunk(b, s, 8, s) == want
-    assert reference._auto_chunk(b, s, 8, 100) > 0  # small known seqlen_k, unknown seqlen_q: still a loop
-    assert reference._auto_chunk(b, 100, 8, 100) == 0  # everything that matters is known and small
+    assert reference.auto_chunk(b, s, 8, s) == want
+    assert reference.auto_chunk(b, s, 8, 100) > 0  # small known seqlen_k, unknown seqlen_q: still a loop
+    assert reference.auto_chunk(b, 100, 8, 100) == 0  # everything that matters is known and small
 
 
 def test_symbolic_export_chunks_queries():
@@ -312,7 +303,7 @@ def test_symbolic_export_chunks_queries():
     text = exported.mlir_module()
     assert "stablehlo.while" in text, "the symbolic path must chunk the queries"
 
-    chunk = reference._auto_chunk(b, s, 8, s)
+    chunk = reference.auto_chunk(b, s, 8, s)
     sinks = make_sinks(22, 8)
     for batch, seqlen in [(1, 5), (2, 37)]:
         q, k, v = make_qkv(23 + seqlen, b=batch, s_q=seqlen, s_k=seqlen, h_q=8, h_k=8, d=128)

@@ -105,7 +105,7 @@ def test_batch_and_head_sharding_need_no_collective(cases, case):
 
 def test_causal_query_sequence_is_gathered_once(cases):
     """A causal mask depends on absolute row positions: the q shards are all-gathered (q's size, not
-    K/V's: those were replicated already), documented in fa4_jax/sharding.py."""
+    K/V's: those were replicated already), documented in fa4_jax/ops/fwd/sharding.py."""
     c = cases["qseq_causal_replicated"]
     assert [op for op, _ in c["collectives"]] and all(op == "all-gather" for op, _ in c["collectives"]), c
     assert sum(n for _, n in c["collectives"]) <= 2 * c["q_bytes"], c
@@ -141,7 +141,7 @@ def test_shard_map_program_hits_the_persistent_cache(tmp_path):
 def test_partitioned_program_hits_the_persistent_cache(tmp_path):
     """A jit-partitioned program embeds the partition callback's address, which changes per process;
     with jax_remove_custom_partitioning_ptr_from_cache_key jax drops it from the key. That is safe for
-    fa4_jax because the call's params are written into the HLO (sharding.PARAMS_ATTRIBUTE): two
+    fa4_jax because the call's params are written into the HLO (fa4_jax.core.partitioning.PARAMS_ATTRIBUTE): two
     programs differing only in softmax_scale keep two entries, and the second process reads both back and
     gets the right results (checked inside cache_key_case.py)."""
     first, second = _cache_runs(tmp_path, "jit")

@@ -67,7 +67,7 @@ def test_gpu_host_detection(monkeypatch):
 
 
 def fake_library(monkeypatch, built):
-    from fa4_jax import _ffi
+    from fa4_jax.core import library as _ffi
 
     monkeypatch.setattr(_ffi, "register_targets", lambda: bool(built))
     monkeypatch.setattr(_ffi, "compiled_variants", lambda: frozenset(built))
@@ -115,7 +115,7 @@ def test_variant_outside_the_default_menu_fails():
 
 
 def test_library_menu_reads_the_menu_file(monkeypatch, tmp_path):
-    from fa4_jax import _ffi
+    from fa4_jax.core import library as _ffi
 
     (tmp_path / "libfa4_jax.so").write_bytes(b"")
     (tmp_path / gpu_menu.MENU_FILE).write_text('{"fa4_jax_variants": "head_dim=128", "variants": []}')

@@ -1,7 +1,7 @@
 """The support matrix (fa4_jax/support.py): README.md holds the generated tables, the tables say exactly
 what the cells say, the accepted inputs are the API's, and sampled cells agree with the library's own
 decisions: our FFI call is in a program exported for CUDA from this CPU host (with a library holding
-exactly the default menu) iff the matrix says "kernel", and fa4_jax.cudnn.cudnn_reason accepts the
+exactly the default menu) iff the matrix says "kernel", and fa4_jax.core.cudnn.cudnn_reason accepts the
 primitive the public call binds iff the matrix says "cuDNN"."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import pytest
 
 import fa4_jax
-from fa4_jax import _platform, _validation, cudnn, families, support
+from fa4_jax import families, support
+from fa4_jax.core import cudnn, platform as _platform, validation as _validation
 from fa4_jax.export import export_safety_checks, ffi_targets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,7 @@ def _kernel_sample():
 @pytest.fixture
 def default_menu_library(monkeypatch):
     """A kernel library holding exactly the default menu (what the lowering asks when exporting from a
-    host without GPUs: fa4_jax/lowering.py)."""
+    host without GPUs: fa4_jax/core/lowering.py)."""
     menu = set(families.default_menu())
     monkeypatch.setattr(_platform, "library_reason",
                         lambda make_variant: None if make_variant("sm90") in menu else "not in the default menu")
@@ -200,7 +201,7 @@ def _cudnn_sample():
 
 
 def test_sampled_cells_agree_with_the_cudnn_mapping():
-    """What the lowering asks (fa4_jax.cudnn.cudnn_reason on the primitive the public call binds, at the
+    """What the lowering asks (fa4_jax.core.cudnn.cudnn_reason on the primitive the public call binds, at the
     device's compute capability) says cuDNN exactly where the matrix does."""
     sample = _cudnn_sample()
     assert {c["runs"] for c in sample} == {support.CUDNN, support.REFERENCE}

@@ -16,15 +16,13 @@ import numpy as np
 import pytest
 
 from fa4_jax import attention_varlen
-from oracle import OPTION_CASES, attention_oracle, make_sinks, visible_mask
+from oracle import (F32_ATOL, LSE_ATOL, OPTION_CASES, UNIT_ROUNDOFF, attention_oracle, make_sinks,
+                    refuse_to_run, visible_mask)
 
 # The module itself: the no_run fixture replaces the reference it calls.
-varlen = importlib.import_module("fa4_jax.varlen")
+varlen = importlib.import_module("fa4_jax.ops.varlen.api")
 
 STATIC = attention_varlen.STATIC_ARGNAMES
-UNIT_ROUNDOFF = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
-F32_ATOL = 2e-5
-LSE_ATOL = 1e-4
 D = 64
 SCALE = D**-0.5  # the default softmax_scale at head_dim 64
 
@@ -158,12 +156,7 @@ def test_gqa_mqa_and_dtypes(dtype, h_q, h_k):
 @pytest.fixture
 def no_run(monkeypatch):
     """Any bind of the primitive (kernel or reference) fails the test: validation must come first."""
-
-    class Refuse:
-        def bind(self, *args, **kwargs):
-            raise AssertionError("attention_varlen ran before its arguments were validated")
-
-    monkeypatch.setattr(varlen, "fa4_varlen_p", Refuse())
+    refuse_to_run(monkeypatch, varlen, "fa4_varlen_p", "attention_varlen")
 
 
 def _args(*, d=D, rank4=False, cu_q=None, cu_k=None):

@@ -6,7 +6,7 @@ board drift hits both alike.
     python tools/ab_kernels.py A=fa4_jax/_lib/libfa4_jax.so B=.base_lib/libfa4_jax.so [--rounds 2]
     python tools/ab_kernels.py --child            # one library's numbers as JSON (FA4_JAX_LIBRARY)
 
-Rows (bf16, device time = 20 dependent calls inside one jitted, unrolled fori_loop, GUIDE.md §5;
+Rows (bf16, device time = 20 dependent calls inside one jitted, unrolled fori_loop, docs/BENCHMARKING.md;
 prefill rows = back-to-back calls): decode 32/8 heads d128 at 1 x 8k, 1 x 32k, 8 x 32k with full
 caches and with lengths 37 short of a 128-key block (the tail a KV cache usually has), contiguous and
 paged (page 64); varlen 8 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and

@@ -62,7 +62,7 @@ def main() -> int:
         subprocess.run(configure, check=True)
         subprocess.run([cmake, "--build", str(build)], check=True)
         # `cmake --install` with the checkout as prefix puts the library (and its fa4_menu.json)
-        # exactly where fa4_jax/_ffi.py looks: <checkout>/fa4_jax/_lib/.
+        # exactly where fa4_jax/core/library.py looks: <checkout>/fa4_jax/_lib/.
         subprocess.run([cmake, "--install", str(build), "--prefix", str(ROOT)], check=True)
     except subprocess.CalledProcessError as e:
         print(f"build_inplace: `{' '.join(map(str, e.cmd[:3]))} ...` failed (exit {e.returncode})", file=sys.stderr)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the time of a small decode call goes: back-to-back jitted calls (GUIDE.md §5, includes host
+"""Where the time of a small decode call goes: back-to-back jitted calls (docs/BENCHMARKING.md, includes host
 dispatch) vs the same call repeated inside one jitted fori_loop (device time per call), for fa4_jax
 and cuDNN, and a trivial jitted op (the dispatch floor)."""
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fa4_jax
-from fa4_jax import _ffi
+from fa4_jax.core import library as _ffi
 
 CASES = [  # (dtype, b, s_q, s_k, h_q, h_k, d, causal)
     ("bf16", 1, 128, 128, 2, 2, 128, False),

@@ -66,7 +66,9 @@ class Mutant:
     description: str
 
 
-R, V, K = "fa4_jax/reference.py", "fa4_jax/_validation.py", "fa4_jax/kvcache.py"
+# The shared reference, the validation, and each family's public function / reference.
+R, V = "fa4_jax/core/reference.py", "fa4_jax/core/validation.py"
+K, KR, VR = "fa4_jax/ops/kvcache/api.py", "fa4_jax/ops/kvcache/reference.py", "fa4_jax/ops/varlen/reference.py"
 CAUSAL_RIGHT = ("        if right > 0:\n            raise ValueError(\n                f\"causal=True means",
                 "        if right > 1:\n            raise ValueError(\n                f\"causal=True means")
 
@@ -82,7 +84,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "page_size, max_pages = 16, page_table.shape[1]",
            ("tests/test_flax.py::test_paged_cache_equals_contiguous[64]",),
            "the same, caught by the Flax module's paged cache"),
-    Mutant("no_clamp", R,
+    Mutant("no_clamp", KR,
            "kv_len = jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)",
            "kv_len = cache_seqlens.astype(jnp.int32)",
            ("tests/test_kvcache.py", "-k", "test_cache_seqlens_are_clamped_to_the_capacity"),
@@ -97,18 +99,15 @@ MUTANTS: tuple[Mutant, ...] = (
            "not _usable_f32(cap * _LOG2E)",
            ("tests/test_api.py", "-k", "softcap_scale_ratio_underflows"),
            "softmax_scale / softcap not checked to be a normal float32"),
-    Mutant("causal_right_1_api", V, *CAUSAL_RIGHT,
-           ("tests/test_api.py", "-k", "causal_with_right_window_1"),
-           "causal=True accepts window_size=(l, 1) (API test)"),
-    Mutant("causal_right_1_kvcache", V, *CAUSAL_RIGHT,
-           ("tests/test_kvcache.py", "-k", "test_causal_with_a_right_window_rejected"),
-           "causal=True accepts window_size=(l, 1) (KV-cache test)"),
-    Mutant("causal_right_1_varlen", V, *CAUSAL_RIGHT,
-           ("tests/test_varlen.py", "-k", "causal_right_window"),
-           "causal=True accepts window_size=(l, 1) (varlen test)"),
-    Mutant("causal_right_1_primitive", V, *CAUSAL_RIGHT,
-           ("tests/test_primitive.py", "-k", "test_references_reject_causal_with_a_right_window"),
-           "causal=True accepts window_size=(l, 1) (the primitives' reference bodies)"),
+    # The same bug, killed by each entry point's own test.
+    *(Mutant(f"causal_right_1_{suffix}", V, *CAUSAL_RIGHT, (test_file, "-k", test_expr),
+             f"causal=True accepts window_size=(l, 1) ({where})")
+      for suffix, test_file, test_expr, where in (
+          ("api", "tests/test_api.py", "causal_with_right_window_1", "API test"),
+          ("kvcache", "tests/test_kvcache.py", "test_causal_with_a_right_window_rejected", "KV-cache test"),
+          ("varlen", "tests/test_varlen.py", "causal_right_window", "varlen test"),
+          ("primitive", "tests/test_primitive.py", "test_references_reject_causal_with_a_right_window",
+           "the primitives' reference bodies"))),
     Mutant("softmax_no_max_subtraction", R,
            "    big_safe = jnp.where(jnp.isneginf(big), 0.0, big)\n"
            "    u_max_safe = jnp.where(jnp.isneginf(u_max), 0.0, u_max)\n"
@@ -181,21 +180,21 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_kvcache.py", "-k", "test_contiguous_matches_oracle and plain"),
            "LSE misses the row max it was shifted by"),
     Mutant("top_left_alignment", R,
-           "visible = _window_mask(rows[:, None] + (s_k - s_q), cols[None, :], left, right)",
-           "visible = _window_mask(rows[:, None], cols[None, :], left, right)",
+           "visible = window_mask(rows[:, None] + (s_k - s_q), cols[None, :], left, right)",
+           "visible = window_mask(rows[:, None], cols[None, :], left, right)",
            ("tests/test_api.py::test_new_options_reach_the_computation",),
            "dense masks aligned top-left instead of bottom-right"),
     Mutant("kvcache_top_left_alignment", R,
-           "window = _window_mask(rows[:, None] + kl - s_q, cols, left, right)",
-           "window = _window_mask(rows[:, None], cols, left, right)",
+           "window = window_mask(rows[:, None] + kl - s_q, cols, left, right)",
+           "window = window_mask(rows[:, None], cols, left, right)",
            ("tests/test_kvcache.py", "-k", "test_contiguous_matches_oracle and causal"),
            "KV-cache queries placed at the start of the cache instead of its end"),
-    Mutant("varlen_key_offset", R,
+    Mutant("varlen_key_offset", VR,
            "rel = cols[None, :] - k_start[:, None]",
            "rel = cols[None, :] - q_start[:, None]",
            ("tests/test_varlen.py", "-k", "test_matches_oracle and plain"),
            "varlen keys located by the query offsets"),
-    Mutant("varlen_seqused_ignored", R,
+    Mutant("varlen_seqused_ignored", VR,
            "k_len = own if seqused_k is None else jnp.clip(seqused_k[seq], 0, own)",
            "k_len = own",
            ("tests/test_varlen.py::test_seqused_k_hides_the_rest_of_the_segment",),

@@ -1,4 +1,4 @@
-"""Checks of each exported kernel against the ABI its family describes (fa4_jax/families/), and of
+"""Checks of each exported kernel against the ABI its family describes (fa4_jax/ops/<family>/spec.py), and of
 the CUDA calls its host code makes (the handlers are registered CUDA-graph compatible)."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from fa4_jax.families import MENU_ENV, family_of
 
 MENU_FILE = "fa4_menu.json"  # installed next to the .so; tests compare it with the library
 REGISTRY_FILE = "fa4_registry.inc"
+SHARED_FILE = "fa4_shared.inc"
 PREFIX = "[fa4_jax.aot]"
 
 
@@ -43,10 +44,10 @@ def resolve_menu(request: Path | None) -> tuple[str, list]:
 
 def compile_menu(menu: list, out: Path, jobs: int, force: bool, dsl_version: str) -> tuple[int, int]:
     """Compiles every variant whose object is missing or stale. Returns (compiled, cached)."""
-    digest = cache.kernel_sources_digest()
+    digests = {f.name: cache.kernel_sources_digest(f) for f in families_in(menu)}  # per family: its kernels' sources
     fp_path = out / cache.FINGERPRINT_FILE
     fps = cache.read_json(fp_path)
-    want = {v.symbol: cache.fingerprint(v, family_of(v), digest, dsl_version) for v in menu}
+    want = {v.symbol: cache.fingerprint(v, family_of(v), digests[family_of(v).name], dsl_version) for v in menu}
 
     todo, cached = [], []
     for s in want:
@@ -99,7 +100,7 @@ def check_menu(menu: list, out: Path) -> dict:
             _log(f"warning: {w}")
     if problems:
         raise AotError(
-            "exported kernels do not match the ABI their family describes (fa4_jax/families/):\n  "
+            "exported kernels do not match the ABI their family describes (fa4_jax/ops/<family>/spec.py):\n  "
             + "\n  ".join(problems)
         )
     return calls
@@ -120,6 +121,7 @@ def build(out: Path, jobs: int, force: bool = False, request: Path | None = None
         fam_menu = [v for v in menu if family_of(v) is fam]
         cache.write_if_changed(out / family_inc_name(fam), codegen.generate_family_inc(fam, fam_menu, dsl_version))
     cache.write_if_changed(out / REGISTRY_FILE, codegen.generate_registry_inc(families, dsl_version))
+    cache.write_if_changed(out / SHARED_FILE, codegen.generate_shared_inc(dsl_version))
     cache.write_if_changed(
         out / MENU_FILE,
         json.dumps(
@@ -133,4 +135,4 @@ def build(out: Path, jobs: int, force: bool = False, request: Path | None = None
          f"{time.perf_counter() - t_start:.1f} s; families: {', '.join(f.name for f in families)}")
 
 
-__all__ = ["MENU_FILE", "REGISTRY_FILE", "REQUEST_FILE", "build", "family_inc_name"]
+__all__ = ["MENU_FILE", "REGISTRY_FILE", "REQUEST_FILE", "SHARED_FILE", "build", "family_inc_name"]

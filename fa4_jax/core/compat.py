@@ -59,7 +59,7 @@ def mark_requires_devices_during_lowering(prim) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# jax's cuDNN fused attention (fa4_jax/cudnn.py). Private in every jax version: jax.nn's public
+# jax's cuDNN fused attention (fa4_jax/core/cudnn.py). Private in every jax version: jax.nn's public
 # dot_product_attention(implementation="cudnn") returns no float32 LSE (it casts the residual to the
 # output dtype), so fa4_jax calls the function underneath it, after checking that it takes what we pass.
 

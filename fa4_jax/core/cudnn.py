@@ -38,7 +38,7 @@ batch * max_pages and has no page-id clamping) and packed varlen batches (cuDNN'
 requires Hopper and per-segment top-left masks; a causal mask there matches ours only for sequences
 with as many queries as keys, which is not known while lowering).
 
-Where it is used (fa4_jax/lowering.py): `implementation=None` on CUDA takes our kernel when it can
+Where it is used (fa4_jax/core/lowering.py): `implementation=None` on CUDA takes our kernel when it can
 serve the call; else cuDNN when `cudnn_reason` is None and every GPU the program is lowered for passes
 `device_reason` (jax's own conditions: compute capability, cuDNN version; they need the GPU, so a
 program lowered without known GPUs, e.g. exported from a CPU host, keeps the kernel-or-reference
@@ -54,7 +54,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax import _compat
+from fa4_jax.core import compat as _compat
 
 ATTENTION, KVCACHE, VARLEN = "attention", "attention_with_kvcache", "attention_varlen"
 ENTRIES = (ATTENTION, KVCACHE, VARLEN)

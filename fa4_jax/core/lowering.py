@@ -7,12 +7,12 @@ CPU the reference, and `jax.export(..., platforms=("cpu", "cuda"))` on any host 
 The primitive's `implementation` param:
 - "xla": the reference everywhere.
 - "auto" (the API's implementation=None): on CUDA the kernel when it can serve the call, else cuDNN
-  when it computes exactly the call on the target GPUs (fa4_jax/cudnn.py), else the reference; on
+  when it computes exactly the call on the target GPUs (fa4_jax/core/cudnn.py), else the reference; on
   every other platform the reference.
 - "fa4": the kernel, or a clear error while lowering (never a silent fallback).
 - "cudnn": jax's cuDNN flash attention, or a clear error while lowering.
 
-"Can serve the call" (fa4_jax._platform.lowering_reason): when the lowering targets devices of this
+"Can serve the call" (fa4_jax.platform.lowering_reason): when the lowering targets devices of this
 process that are GPUs (jax.jit on a GPU host), each must be a supported GPU on which the variant's
 module loads; when it targets none (jax.export, or export for CUDA from a CPU host) the kernel
 library must hold the variant, and the FFI handler checks the GPU when the program runs (an
@@ -31,7 +31,7 @@ from typing import Callable
 
 import jax
 
-from fa4_jax import _compat, _platform, cudnn
+from fa4_jax.core import compat, cudnn, platform
 from fa4_jax.export import EXPORT_HINT
 
 
@@ -56,16 +56,10 @@ def _with_export_hint(kernel: Callable) -> Callable:
     return kernel_in_scope
 
 
-# The public entry point of each per-shard primitive: it names the primitive's cuDNN mapping
-# (fa4_jax/cudnn.py) and the kernels in error messages.
-ENTRY_POINTS = {"fa4_fwd_local": cudnn.ATTENTION, "fa4_kvcache_local": cudnn.KVCACHE,
-                "fa4_varlen_local": cudnn.VARLEN}
-
-
 def _no_variant_reason(entry: str, make_variant: Callable[[str], object]) -> str | None:
     """Why no kernel variant exists for the call (e.g. a head_dim its family is not built for), or None.
     A variant dataclass refuses unsupported fields with ValueError/TypeError."""
-    for arch in sorted(_platform.shipped_arches()):
+    for arch in sorted(platform.shipped_arches()):
         try:
             make_variant(arch)
         except (ValueError, TypeError) as e:
@@ -74,21 +68,23 @@ def _no_variant_reason(entry: str, make_variant: Callable[[str], object]) -> str
 
 
 def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callable, variant: Callable,
-                             is_empty: Callable, shape_reason: Callable | None = None) -> None:
-    """Lowering rules of a per-shard primitive (one named in ENTRY_POINTS).
+                             is_empty: Callable, shape_reason: Callable | None = None,
+                             cudnn_entry: str | None = None) -> None:
+    """Lowering rules of a per-shard primitive.
 
-    reference(*operands, **params) / kernel(*operands, **params): the two bodies (traceable); the
-      cuDNN body comes from fa4_jax.cudnn by the primitive's entry point.
+    reference(*operands, **params) / kernel(*operands, **params): the two bodies (traceable).
+    cudnn_entry: the public entry point the primitive serves, which names its cuDNN mapping
+      (fa4_jax/core/cudnn.py; None = the family has none) and its kernels in error messages.
     variant(arch, dtype, head_dim, params): the kernel variant the call needs on `arch` (the
       primitive's kernel_variant; dtype and head_dim are those of the first operand, q).
     is_empty(avals_in, params): a zero-size problem, which the reference answers without a launch.
     shape_reason(avals_in, params): optional; why the kernel cannot take these shapes (e.g. a symbolic
       dimension it needs as a static bound), or None."""
-    entry = ENTRY_POINTS[local_prim.name]
-    reference_lowering = _compat.lower_fun(reference, multiple_results=True)
-    kernel_lowering = _compat.lower_fun(_with_export_hint(kernel), multiple_results=True)
-    cudnn_body = cudnn.body(entry)
-    cudnn_lowering = None if cudnn_body is None else _compat.lower_fun(cudnn_body, multiple_results=True)
+    entry = cudnn_entry or local_prim.name
+    reference_lowering = compat.lower_fun(reference, multiple_results=True)
+    kernel_lowering = compat.lower_fun(_with_export_hint(kernel), multiple_results=True)
+    cudnn_body = cudnn.body(cudnn_entry) if cudnn_entry else None
+    cudnn_lowering = None if cudnn_body is None else compat.lower_fun(cudnn_body, multiple_results=True)
 
     def other_platforms(ctx, *operands, **params):
         implementation = params["implementation"]
@@ -120,7 +116,7 @@ def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callabl
         q = ctx.avals_in[0]
         make_variant = lambda arch: variant(arch, q.dtype, q.shape[-1], params)  # noqa: E731
         reason = ((shape_reason and shape_reason(ctx.avals_in, params)) or _no_variant_reason(entry, make_variant)
-                  or _platform.lowering_reason(make_variant, devices))
+                  or platform.lowering_reason(make_variant, devices))
         if reason is None:
             return kernel_lowering(ctx, *operands, **params)
         if implementation == "fa4":
@@ -129,5 +125,5 @@ def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callabl
             return cudnn_lowering(ctx, *operands, **params)
         return reference_lowering(ctx, *operands, **params)
 
-    _compat.register_lowering(local_prim, other_platforms)
-    _compat.register_lowering(local_prim, cuda, platform="cuda")
+    compat.register_lowering(local_prim, other_platforms)
+    compat.register_lowering(local_prim, cuda, platform="cuda")

@@ -9,7 +9,7 @@ registered, and the variant's module actually loads on that device.
 FA4_JAX_DISABLE_KERNELS=1 (read on every question, so setting it in a running process works for every
 program lowered afterwards) hides the kernels: every answer is then "no", and implementation=None
 takes the path of a GPU without kernels (cuDNN where it computes exactly the call, else the reference;
-see fa4_jax/cudnn.py). For tests and comparisons; the library stays registered for programs that
+see fa4_jax/core/cudnn.py). For tests and comparisons; the library stays registered for programs that
 already call it.
 """
 
@@ -87,12 +87,12 @@ def unavailable_reason(make_variant: Callable[[str], object], device=None) -> st
     reason = _variant_reason(variant)
     if reason is not None:
         return reason
-    from fa4_jax import _ffi
+    from fa4_jax.core import library
 
-    if not _ffi.register_targets():
-        return f"registering the FFI targets failed: {_ffi.library_status()}"
+    if not library.register_targets():
+        return f"registering the FFI targets failed: {library.library_status()}"
     ordinal = getattr(device, "local_hardware_id", None)
-    problem = _ffi.prepare_variant(variant, device.id if ordinal is None else ordinal)
+    problem = library.prepare_variant(variant, device.id if ordinal is None else ordinal)
     if problem is not None:
         return f"the kernel {variant.symbol} does not load on {device.device_kind} (device {device.id}): {problem}"
     return None
@@ -103,12 +103,12 @@ def _variant_reason(variant) -> str | None:
     if kernels_disabled():
         return f"the fa4_jax kernels are hidden by {DISABLE_KERNELS_ENV}={os.environ[DISABLE_KERNELS_ENV]}"
     try:
-        from fa4_jax import _ffi
+        from fa4_jax.core import library
     except ImportError as e:
-        return f"the FFI loader fa4_jax._ffi cannot be imported ({e}). {_BUILD_HINT}"
-    built = _ffi.compiled_variants()
+        return f"the FFI loader fa4_jax.core.library cannot be imported ({e}). {_BUILD_HINT}"
+    built = library.compiled_variants()
     if not built:  # library missing or unloadable; library_status() says which and what to do
-        return f"the kernel library is unavailable: {_ffi.library_status()}"
+        return f"the kernel library is unavailable: {library.library_status()}"
     if variant not in built:
         same_family = sorted(v.symbol for v in built if type(v) is type(variant))
         return (

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fa4_jax.families import HEAD_DIMS
-from fa4_jax.families.kvcache import MAX_SPLITS, PAGE_SIZES
+from fa4_jax.families.base import MAX_SOFTCAP, MAX_SOFTMAX_SCALE
+from fa4_jax.ops.kvcache.spec import MAX_SPLITS, PAGE_SIZES
 
 # The kernels are compiled for these input dtypes only (see fa4_jax.families.DTYPES).
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -37,15 +38,14 @@ def check_flag(name: str, value) -> bool:
 _LOG2E = 1.4426950408889634
 _F32 = np.finfo(np.float32)
 
-# Upper bounds of softmax_scale and softcap (mirrored in ffi/handler_util.h). The kernels' float32
+# Upper bounds of softmax_scale and softcap, MAX_SOFTMAX_SCALE and MAX_SOFTCAP (fa4_jax/families/base.py,
+# generated into every handler's checks too). Why these values: the kernels' float32
 # softmax exponentiates every score against the row's scaled max m' = max|s| * scale * log2(e),
 # rounded once; that rounding is common to the row and cancels, as long as 2^(ulp(m') / 2) stays
 # finite in the fp16/bf16 P operand: |m'| < 2^28. A scale of at most 1e4 keeps that true for scores
 # |q . k| up to ~1.8e4 (N(0, 1) inputs give |q . k| of a few dozen); beyond ~1e8 even a score of 1
 # would not be resolved. Under a softcap the scaled scores are cap * tanh(...), so the cap alone
 # bounds m': 1e6 (a cap far above any score is no cap).
-MAX_SOFTMAX_SCALE = 1e4
-MAX_SOFTCAP = 1e6
 
 
 def _static_float(name: str, value, default_hint: str) -> float:

@@ -1,10 +1,13 @@
-"""The registry of kernel families (see fa4_jax/families/base.py) and the build menu.
+"""The registry of kernel families (the vocabulary they are described in: fa4_jax/families/base.py)
+and the build menu.
 
-Adding a family: describe it in a new module here (its variant dataclass and KernelFamily), add it
-to FAMILIES, write its kernel under fa4_jax/kernels/ and its handler under ffi/. Nothing else lists
-families: the exporter, CMake, the generated C++ registry and fa4_jax._ffi all iterate FAMILIES.
+Each family is described in its own folder, fa4_jax/ops/<family>/spec.py (variant dataclass,
+KernelFamily, FFI call signature); adding one is that folder, its kernel entry and handler, and one
+line in FAMILIES below (BUILD.md, "Adding a family"). Nothing else lists families: the exporter,
+CMake, the generated C++ registry and fa4_jax.core.library all iterate FAMILIES.
 
-Pure Python (no cutlass, no jax): imported at build time and at run time.
+The descriptions import neither cutlass nor jax themselves: they are read at build time and at run
+time alike.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import os
 from dataclasses import fields
 
 from fa4_jax.families.base import ARCH_CC, DTYPES, KernelFamily, Variant
-from fa4_jax.families.fwd import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
-from fa4_jax.families.kvcache import KVCACHE, KVCacheVariant
-from fa4_jax.families.varlen import VARLEN, VarlenVariant
+from fa4_jax.ops.fwd.spec import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
+from fa4_jax.ops.kvcache.spec import KVCACHE, KVCacheVariant
+from fa4_jax.ops.varlen.spec import VARLEN, VarlenVariant
 
 FAMILIES: tuple[KernelFamily, ...] = (FWD, KVCACHE, VARLEN)
 

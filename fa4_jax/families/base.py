@@ -7,8 +7,8 @@ an existing family are new variants of it, not a new family). A *variant* is one
 a frozen dataclass whose fields are the compile key and the dispatch key, and whose `symbol` names the
 object file, the C wrapper, the table row and error messages.
 
-Pure Python on purpose: imported at build time (fa4_jax.aot) and at run time (fa4_jax._ffi,
-fa4_jax._platform), so it must import neither `cutlass` nor `jax`.
+Pure Python on purpose: imported at build time (fa4_jax.aot) and at run time (fa4_jax.core.library,
+fa4_jax.core.platform), so it must import neither `cutlass` nor `jax`.
 """
 
 from __future__ import annotations
@@ -67,6 +67,111 @@ def params_as_scalars(params: tuple[Field, ...], *names: str) -> tuple[ScalarArg
     return tuple(ScalarArg(by_name[n].c_type, n, f"p.{n}") for n in names)
 
 
+# ---- the FFI call signature -------------------------------------------------------------------
+# A family's XLA FFI call is declared once, as a CallSignature; fa4_jax.aot.codegen generates the C++
+# side from it (the binding, the `Call` struct the hand-written Resolve reads, presence attributes of
+# optional operands, the dtype/rank/alignment checks, the constants) and fa4_jax.core.ffi_call the
+# Python side (operand packing, result shapes, attribute types). Each side is checked against it.
+
+# Element types an FFI buffer may declare: "input" is the call's element type (q's: bf16 or f16; every
+# "input" buffer shares it), the others are fixed. Values: the xla::ffi::DataType enumerator(s).
+BUFFER_DTYPES = {"input": ("BF16", "F16"), "f32": ("F32",), "i32": ("S32",)}
+# Attribute kinds: (C++ type, numpy type name) -- the FFI ABI is typed, so both sides must agree.
+ATTR_TYPES = {"f32": ("float", "float32"), "i32": ("int32_t", "int32"), "bool": ("bool", "bool_")}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One operand or result of a family's FFI call.
+
+    dims: symbolic extents, e.g. ("b", "s_q", "h_q", "d"). An operand binds its names to its shape;
+      a result's shape is read from them (names no operand binds come from the caller, e.g. the
+      workspace's "splits"). Also the rank the handler checks.
+    optional (operands): may be absent. The Python side then sends a zero-size array and the
+      attribute has_<name> = False; the handler sees std::nullopt. Presence is thus said once.
+    fill (operands): absent -> the Python side sends an array of dims filled with this value (the
+      kernel always reads the buffer, e.g. sinks of -inf add nothing to a denominator).
+    workspace (results): scratch the kernels need, allocated by XLA (CUDA-graph safe); the Python
+      wrapper drops it from what it returns.
+    """
+
+    name: str
+    dtype: str
+    dims: tuple[str, ...]
+    doc: str = ""
+    optional: bool = False
+    fill: float | None = None
+    workspace: bool = False
+    param: str = ""  # the Params pointer field it fills, when not named like the buffer
+
+    def __post_init__(self):
+        if self.dtype not in BUFFER_DTYPES:
+            raise ValueError(f"buffer {self.name}: dtype {self.dtype!r} not in {sorted(BUFFER_DTYPES)}")
+        if self.optional and self.fill is not None:
+            raise ValueError(f"buffer {self.name}: optional (absent allowed) or fill (always sent), not both")
+
+    @property
+    def align(self) -> int:
+        """Bytes the execute stage requires of its address: 16 where the kernels use TMA or 16-byte
+        vector accesses (the call's tensors and the workspace), 4 for scalar float/int arrays."""
+        return 16 if self.dtype == "input" or self.workspace else 4
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute of a family's FFI call; `dtype` is a key of ATTR_TYPES."""
+
+    name: str
+    dtype: str
+    doc: str = ""
+
+    def __post_init__(self):
+        if self.dtype not in ATTR_TYPES:
+            raise ValueError(f"attribute {self.name}: dtype {self.dtype!r} not in {sorted(ATTR_TYPES)}")
+
+    @property
+    def c_type(self) -> str:
+        return ATTR_TYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """A family's FFI call: operands, results and attributes in ABI order, and the integer constants
+    its Python side and its handler share (generated as C++ `kCamelCase` constants)."""
+
+    operands: tuple[Buffer, ...]
+    results: tuple[Buffer, ...]
+    attrs: tuple[Attr, ...]
+    constants: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        names = [b.name for b in (*self.operands, *self.results)] + [a.name for a in self.all_attrs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"call signature: names used twice: {dup}")
+        if any(b.optional or b.fill is not None for b in self.results):
+            raise ValueError("results cannot be optional or filled")
+        if any(b.workspace for b in self.operands):
+            raise ValueError("operands cannot be workspace")
+
+    @property
+    def presence_attrs(self) -> tuple[Attr, ...]:
+        """The generated has_<name> attribute of each optional operand, after the declared ones."""
+        return tuple(Attr(f"has_{b.name}", "bool", f"whether {b.name} was given") for b in self.operands
+                     if b.optional)
+
+    @property
+    def all_attrs(self) -> tuple[Attr, ...]:
+        return (*self.attrs, *self.presence_attrs)
+
+
+# Limits the Python validation and every handler share (fa4_jax/core/validation.py says why these values);
+# generated into fa4_shared.inc for ffi/handler_util.h.
+MAX_SOFTMAX_SCALE = 1e4
+MAX_SOFTCAP = 1e6
+SHARED_CONSTANTS = (("max_softmax_scale", MAX_SOFTMAX_SCALE), ("max_softcap", MAX_SOFTCAP))
+
+
 @dataclass(frozen=True)
 class KeyField:
     """One field of the C++ dispatch key: the variant dataclass field `name`, its C++ type, and how
@@ -98,6 +203,20 @@ def enum_literal(enum: str) -> Callable[[str], str]:
 
 
 @dataclass(frozen=True)
+class PublicEntry:
+    """One row group of the support matrix (fa4_jax/support.py): a public function the family serves
+    (or one cache layout of it), its name in fa4_jax.core.cudnn ("" = no cuDNN mapping), the kinds of
+    sequence lengths that matter to cuDNN's mask mapping as (title, seqlen_q, seqlen_k or cache
+    capacity) with small representative values, and the variant fields this row fixes (e.g.
+    (("paged", True),))."""
+
+    name: str
+    cudnn_entry: str
+    seqlens: tuple[tuple[str, int, int], ...]
+    fixed: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class KernelFamily:
     """Everything about one family that is not kernel code. See the module docstring."""
 
@@ -109,9 +228,11 @@ class KernelFamily:
     scalars: tuple[ScalarArg, ...]  # the stream (cudaStream_t p.stream) is always appended
     key: tuple[KeyField, ...]  # C++ struct fa4_jax::gen::<name>::Key, compared field by field
     enums: dict[str, tuple[str, ...]]  # generated `enum class E : int { kA, kB }`, e.g. Mask
-    handler: str  # the hand-written C++ handler source, relative to the repository root
+    call: CallSignature  # the FFI call: generated C++ binding and Python wrapper
+    handler: str  # the hand-written C++ Resolve (checks -> kernel params), relative to the repository root
     compile: str  # "module:function" that compiles one variant GPU-blind (build time only)
     default_menu: Callable[[], tuple]
+    entries: tuple[PublicEntry, ...] = ()  # the public functions it serves, for the support matrix
 
     def __post_init__(self):
         names = {f.name for f in fields(self.variant)}

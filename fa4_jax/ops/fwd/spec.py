@@ -7,22 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.families.base import (
-    ARCH_CC,
-    DTYPES,
-    Field,
-    KernelFamily,
-    KeyField,
-    TensorArg,
-    Variant,
-    arch_literal,
-    bool_literal,
-    dtype_literal,
-    enum_literal,
-    int_literal,
-    params_as_scalars,
-    parse_hd,
-)
+from fa4_jax.families.base import ARCH_CC, DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
+from fa4_jax.families.base import TensorArg, Variant, arch_literal, bool_literal, dtype_literal, enum_literal
+from fa4_jax.families.base import PublicEntry, int_literal, params_as_scalars, parse_hd
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # What the inner loop must know at compile time about masking: none (only the ragged seqlen_k tail),
@@ -31,7 +18,7 @@ MASKS = ("full", "causal", "local")
 
 
 def mask_kind(window_left: int, window_right: int) -> str:
-    """The kernel's mask kind for a normalised window (see fa4_jax._validation.check_window)."""
+    """The kernel's mask kind for a normalised window (see fa4_jax.core.validation.check_window)."""
     if window_left < 0 and window_right < 0:
         return "full"
     if window_left < 0 and window_right == 0:
@@ -120,6 +107,30 @@ ATTENTION_KEY = (
     KeyField("softcap", "bool", bool_literal),
 )
 
+# The attributes every attention family's call starts with.
+SOFTMAX_ATTRS = (
+    Attr("softmax_scale", "f32", "multiplies q @ k^T; a positive normal float32 <= 1e4"),
+    Attr("softcap", "f32", "0 = off, else scores become softcap * tanh(scores / softcap)"),
+    Attr("window_left", "i32", "-1 = unbounded; relative to the bottom-right diagonal (causal = (-1, 0))"),
+    Attr("window_right", "i32", "-1 = unbounded"),
+)
+# Per-head logits joining each row's softmax denominator with no value row; -inf adds nothing.
+SINKS = Buffer("sinks", "f32", ("h_q",), "per-head sink logits", fill=float("-inf"))
+
+CALL = CallSignature(
+    operands=(
+        Buffer("q", "input", ("b", "s_q", "h_q", "d")),
+        Buffer("k", "input", ("b", "s_k", "h_k", "d")),
+        Buffer("v", "input", ("b", "s_k", "h_k", "d")),
+        SINKS,
+    ),
+    results=(
+        Buffer("o", "input", ("b", "s_q", "h_q", "d")),
+        Buffer("lse", "f32", ("b", "h_q", "s_q"), "natural-log units"),
+    ),
+    attrs=SOFTMAX_ATTRS,
+)
+
 FWD = KernelFamily(
     name="fwd",
     # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
@@ -138,7 +149,9 @@ FWD = KernelFamily(
                               "max_ctas"),
     key=ATTENTION_KEY,
     enums={"Mask": MASKS},
+    call=CALL,
     handler="ffi/fwd.cc",
     compile="fa4_jax.kernels.fwd:compile_variant",
     default_menu=default_menu,
+    entries=(PublicEntry("attention", "attention", (("seqlen_q == seqlen_k", 64, 64), ("seqlen_q != seqlen_k", 32, 64))),),
 )

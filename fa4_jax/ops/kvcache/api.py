@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from fa4_jax import cudnn
-from fa4_jax._validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
-from fa4_jax.attention import Implementation, _trim_window, resolve_with_head_dims
-from fa4_jax.families.kvcache import HEAD_DIMS as KVCACHE_HEAD_DIMS
-from fa4_jax.primitive_kvcache import fa4_kvcache_p, kernel_variant
+from fa4_jax.core import cudnn
+from fa4_jax.core.validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
+from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
+from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
+from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p, kernel_variant
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
 
@@ -65,7 +65,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     num_splits = check_num_splits(num_splits)
     paged = page_table is not None
     capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
-    left, right = _trim_window(*window, q.shape[1], capacity)
+    left, right = trim_window(*window, q.shape[1], capacity)
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, num_splits=num_splits or 0)

@@ -3,10 +3,10 @@
 Operands: q, k_cache, v_cache, cache_seqlens, then page_table when `paged`, then sinks when
 `has_sinks`. Params: softmax_scale, window_left / window_right (causal folded in), softcap,
 has_sinks, paged, num_splits (0 = the handler picks from the SM count), implementation.
-Lowering (fa4_jax/lowering.py, per platform): on CUDA, when the kernel can serve the call, a
-typed-FFI custom call (ffi/kvcache.cc) whose extra float32 results are the split-KV workspace, sized
-here (fa4_jax.families.kvcache); otherwise the pure-JAX reference. vmap: one kernel launch (see
-_batch_rule). Inference only.
+Lowering (fa4_jax/core/lowering.py, per platform): on CUDA, when the kernel can serve the call, the
+family's FFI call (ffi/kvcache.cc) whose workspace results (the split-KV partials) are sized here
+(fa4_jax.ops.kvcache.spec); otherwise the pure-JAX reference. Sharding: fa4_jax/ops/kvcache/sharding.py.
+vmap: one kernel launch (see _batch_rule). Inference only.
 """
 
 from __future__ import annotations
@@ -15,48 +15,35 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fa4_jax import _compat, sharding
-from fa4_jax._validation import dtype_tag
+from fa4_jax.core import compat, cudnn
+from fa4_jax.core.ffi_call import kernel_call
+from fa4_jax.core.primitive import OperandLayout, fold_query_slices, moved, primitive_pair, register
+from fa4_jax.core.validation import dtype_tag
 from fa4_jax.families import KVCacheVariant, mask_kind
-from fa4_jax.families.kvcache import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
-from fa4_jax.lowering import register_local_lowerings
-from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
-from fa4_jax.reference import attention_with_kvcache_reference
+from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
+from fa4_jax.ops.kvcache import sharding
+from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference
 
-fa4_kvcache_p = _compat.Primitive("fa4_kvcache")
-fa4_kvcache_p.multiple_results = True
+OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "sinks": "has_sinks"})
 
 
 def _split(operands, paged: bool, has_sinks: bool):
-    q, k, v, seqlens, *rest = operands
-    page_table = rest[0] if paged else None
-    sinks = rest[-1] if has_sinks else None
-    return q, k, v, seqlens, page_table, sinks
+    x = OPERANDS.split(operands, dict(paged=paged, has_sinks=has_sinks))
+    return x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], x["sinks"]
 
 
 def _join(q, k, v, seqlens, page_table, sinks):
-    return tuple(x for x in (q, k, v, seqlens, page_table, sinks) if x is not None)
+    return OPERANDS.join(dict(q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens, page_table=page_table, sinks=sinks))
 
 
-def _abstract_eval(*operands, paged, has_sinks, **params):
-    q = operands[0]
-    if len(operands) != 4 + paged + has_sinks:
-        raise ValueError(f"fa4_kvcache takes {4 + paged + has_sinks} operands here, got {len(operands)}")
+def _abstract_eval(*operands, **params):
+    q = OPERANDS.split(operands, params)["q"]
     b, s_q, h_q, _ = q.shape
-    return (_compat.ShapedArray(q.shape, q.dtype), _compat.ShapedArray((b, h_q, s_q), jnp.float32))
+    return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray((b, h_q, s_q), jnp.float32))
 
 
-fa4_kvcache_p.def_abstract_eval(_abstract_eval)
-
-# The per-shard primitive (see fa4_jax/sharding.py): fa4_kvcache_p lowers through the sharding rule into it.
-fa4_kvcache_local_p = _compat.Primitive("fa4_kvcache_local")
-fa4_kvcache_local_p.multiple_results = True
-fa4_kvcache_local_p.def_abstract_eval(_abstract_eval)
-
-
-define_jitted_impl(fa4_kvcache_p)
+fa4_kvcache_p, fa4_kvcache_local_p = primitive_pair("fa4_kvcache", _abstract_eval)
 
 
 def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, num_splits,
@@ -96,26 +83,13 @@ def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVari
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, num_splits,
                  implementation):
     del implementation
-    q, k, v, seqlens, page_table, sinks = _split(operands, paged, has_sinks)
-    b, s_q, h_q, d = q.shape
-    cap = split_capacity(q.shape, k.shape, None if page_table is None else page_table.shape, num_splits)
-    # The kernel always takes a page table and sinks: the contiguous kernel ignores the table, -inf
-    # sinks add nothing.
-    page_table = jnp.zeros((1, 1), jnp.int32) if page_table is None else page_table
-    sinks = jnp.full((h_q,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    call = jax.ffi.ffi_call(
-        KVCACHE.target,
-        (
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32),
-            jax.ShapeDtypeStruct((cap, b, s_q, h_q, d), jnp.float32),  # workspace: per-split O
-            jax.ShapeDtypeStruct((cap, b, h_q, s_q), jnp.float32),  # workspace: per-split LSE
-        ),
-    )
-    o, lse, _, _ = call(q, k, v, seqlens, page_table, sinks, softmax_scale=np.float32(softmax_scale),
-                        softcap=np.float32(softcap), window_left=np.int32(window_left),
-                        window_right=np.int32(window_right), num_splits=np.int32(num_splits), paged=bool(paged))
-    return o, lse
+    named = OPERANDS.split(operands, dict(paged=paged, has_sinks=has_sinks))
+    table = named["page_table"]
+    splits = split_capacity(named["q"].shape, named["k_cache"].shape, None if table is None else table.shape,
+                            num_splits)
+    return kernel_call(KVCACHE, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                                            window_right=window_right, num_splits=num_splits),
+                       dims=dict(splits=splits))
 
 
 def _is_empty(avals, params) -> bool:
@@ -123,15 +97,6 @@ def _is_empty(avals, params) -> bool:
     q, k = avals[0], avals[1]
     dims = (*q.shape, *k.shape, *(avals[4].shape if params["paged"] else ()))
     return any(isinstance(x, int) and x == 0 for x in dims)
-
-
-register_local_lowerings(fa4_kvcache_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
-                         variant=kernel_variant)
-sharding.register(fa4_kvcache_p, fa4_kvcache_local_p, *sharding.kvcache_rules)
-
-
-# --------------------------------------------------------------------------------------------------
-# vmap
 
 
 def _batch_rule(args, dims, *, paged, has_sinks, **params):
@@ -150,36 +115,27 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
     dq, dk, dv, dl, dp, ds = _split(dims, paged, has_sinks)
     kw = dict(paged=paged, has_sinks=has_sinks, **params)
     if dk is None and dv is None and dl is None and dp is None:
-        q = _moved(q, dq, size)
-        n, b, s_q, h_q, d = q.shape
-        h_k = k.shape[2]
-        g = h_q // h_k
-        # Folded head (j * n + i) * g + r of slice i reads KV head j = folded // (n * g).
-        qf = q.reshape(n, b, s_q, h_k, g, d).transpose(1, 2, 3, 0, 4, 5).reshape(b, s_q, h_k * n * g, d)
-        sf = None if sinks is None else _moved(sinks, ds, size).reshape(n, h_k, g).transpose(1, 0, 2).reshape(-1)
-        o, lse = fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, sf), **kw)
-        o = o.reshape(b, s_q, h_k, n, g, d).transpose(3, 0, 1, 2, 4, 5).reshape(n, b, s_q, h_q, d)
-        lse = lse.reshape(b, h_k, n, g, s_q).transpose(2, 0, 1, 3, 4).reshape(n, b, h_q, s_q)
-        return (o, lse), (0, 0)
+        qf, sf, unfold = fold_query_slices(q, dq, sinks, ds, size, k.shape[2])
+        return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, sf), **kw)), (0, 0)
     if ds is not None:
-        moved = [_moved(x, d, size) if x is not None else None for x, d in zip((q, k, v, seqlens, page_table, sinks),
+        slices = [moved(x, d, size) if x is not None else None for x, d in zip((q, k, v, seqlens, page_table, sinks),
                                                                               (dq, dk, dv, dl, dp, ds))]
-        o, lse = jax.lax.map(lambda xs: tuple(fa4_kvcache_p.bind(*_join(*xs), **kw)), tuple(moved))
+        o, lse = jax.lax.map(lambda xs: tuple(fa4_kvcache_p.bind(*_join(*xs), **kw)), tuple(slices))
         return (o, lse), (0, 0)
 
     def fold(x, d):  # (size, b, ...) -> (size * b, ...)
-        x = _moved(x, d, size)
+        x = moved(x, d, size)
         return x.reshape(size * x.shape[1], *x.shape[2:])
 
     qf, lf = fold(q, dq), fold(seqlens, dl)
     if not paged:
         kf, vf, pf = fold(k, dk), fold(v, dv), None
     else:
-        pf = _moved(page_table, dp, size)
+        pf = moved(page_table, dp, size)
         if dk is None and dv is None:
             kf, vf = k, v
         else:
-            k, v = _moved(k, dk, size), _moved(v, dv, size)
+            k, v = moved(k, dk, size), moved(v, dv, size)
             num_pages = k.shape[1]
             kf, vf = (x.reshape(size * num_pages, *x.shape[2:]) for x in (k, v))
             pf = pf + (jnp.arange(size, dtype=jnp.int32) * num_pages)[:, None, None]
@@ -188,7 +144,5 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
     return (o.reshape(size, -1, *o.shape[1:]), lse.reshape(size, -1, *lse.shape[1:])), (0, 0)
 
 
-_compat.register_batching(fa4_kvcache_p, _batch_rule)
-
-
-register_inference_only(fa4_kvcache_p)
+register(fa4_kvcache_p, fa4_kvcache_local_p, reference=_reference, kernel=_kernel_call, variant=kernel_variant,
+         is_empty=_is_empty, sharding_rules=sharding.RULES, batch_rule=_batch_rule, cudnn_entry=cudnn.KVCACHE)

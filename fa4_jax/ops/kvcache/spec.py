@@ -1,7 +1,7 @@
 """The KV-cache family: new queries against a contiguous or paged KV cache, split-KV, pack-GQA.
 
 One call computes attention of q (batch, seqlen_q, heads_q, d) against the first cache_seqlens[b]
-keys of each sequence's cache. Its kernels (fa4_jax/kernels/kvcache_sm90.py) tile the query heads
+keys of each sequence's cache. Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.kvcache) tile the query heads
 that share a KV head together (pack-GQA: K/V are read once per KV head), may split each sequence's
 keys over several CTAs (split-KV, `num_splits`), and merge the splits with a combine kernel launched
 by the same exported function. The handler is ffi/kvcache.cc.
@@ -15,19 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.families.base import (
-    ARCH_CC,
-    DTYPES,
-    Field,
-    KernelFamily,
-    KeyField,
-    TensorArg,
-    Variant,
-    bool_literal,
-    params_as_scalars,
-    parse_hd,
-)
-from fa4_jax.families.fwd import ATTENTION_KEY, MASKS
+from fa4_jax.families.base import ARCH_CC, DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
+from fa4_jax.families.base import PublicEntry, TensorArg, Variant, bool_literal, params_as_scalars, parse_hd
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS
 
 HEAD_DIMS = (64, 128, 256)
 # Rows of one query tile (one consumer warpgroup) and keys per split granule: the Python lowering
@@ -38,8 +28,10 @@ SPLIT_BLOCK_KEYS = 128
 # SMs); the lowering sizes the workspace for it, the handler then picks within it.
 AUTO_SPLIT_CTAS = 320
 MAX_SPLITS = 256
+# The kernel gathers a paged cache in PAGE_ROWS-row TMA pieces: a page size must be a multiple.
+PAGE_ROWS = 16
 # Page sizes a paged cache may have (the validation, the Flax cache and the support matrix read this):
-# the kernel gathers pages in 16-row TMA pieces; these are the sizes tested.
+# multiples of PAGE_ROWS; these are the sizes tested.
 PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -105,7 +97,7 @@ def _strided(name: str, ptr: str, shapes: tuple[str, ...], stride: str, n_stride
 _PARAMS = (
     Field("void *", "q"), Field("void *", "k"), Field("void *", "v"), Field("void *", "o"),
     Field("float *", "lse"),
-    Field("int32_t *", "page_table", "(b, max_pages) page ids; unused (and 1 x 1) for a contiguous cache"),
+    Field("int32_t *", "page_table", "(b, max_pages) page ids; null (and max_pages 1) for a contiguous cache"),
     Field("int32_t *", "cache_seqlens", "(b,) valid keys per sequence"),
     Field("float *", "o_accum", "(splits, b, s_q, h_q, d) per-split normalised O (workspace)"),
     Field("float *", "lse_accum", "(splits, b, h_q, s_q) per-split LSE (workspace)"),
@@ -126,9 +118,34 @@ _PARAMS = (
     Field("int32_t", "num_splits", "KV splits of this call, 1 <= num_splits <= splits_cap"),
 )
 
+CALL = CallSignature(
+    operands=(
+        Buffer("q", "input", ("b", "s_q", "h_q", "d")),
+        Buffer("k_cache", "input", ("kv_rows", "kv_len", "h_k", "d"),
+               "contiguous (b, capacity, h_k, d) or paged (num_pages, page_size, h_k, d)", param="k"),
+        Buffer("v_cache", "input", ("kv_rows", "kv_len", "h_k", "d"), "k_cache's shape", param="v"),
+        Buffer("cache_seqlens", "i32", ("b",), "valid keys per sequence (clamped to [0, capacity])"),
+        Buffer("page_table", "i32", ("b", "max_pages"), "page ids (clamped to the pool); absent = contiguous",
+               optional=True),
+        SINKS,
+    ),
+    results=(
+        Buffer("o", "input", ("b", "s_q", "h_q", "d")),
+        Buffer("lse", "f32", ("b", "h_q", "s_q")),
+        Buffer("o_accum", "f32", ("splits", "b", "s_q", "h_q", "d"), "per-split normalised O", workspace=True),
+        Buffer("lse_accum", "f32", ("splits", "b", "h_q", "s_q"), "per-split LSE", workspace=True),
+    ),
+    attrs=SOFTMAX_ATTRS + (
+        Attr("num_splits", "i32", "0 = the handler picks from the SM count; else 1..splits (the workspace)"),
+    ),
+    constants=(("tile_m", TILE_M), ("split_block_keys", SPLIT_BLOCK_KEYS), ("page_rows", PAGE_ROWS),
+               ("max_splits", MAX_SPLITS)),
+)
+
 KVCACHE = KernelFamily(
     name="kvcache",
-    target="fa4_jax_kvcache_v1",
+    # v2: page_table optional (has_page_table), no `paged` attribute (v1 sent a dummy table and `paged`).
+    target="fa4_jax_kvcache_v2",
     variant=KVCacheVariant,
     params=_PARAMS,
     tensors=(
@@ -149,7 +166,11 @@ KVCACHE = KernelFamily(
                               "num_splits"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal),),
     enums={"Mask": MASKS},
+    call=CALL,
     handler="ffi/kvcache.cc",
     compile="fa4_jax.kernels.kvcache:compile_variant",
     default_menu=default_menu,
+    entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
+                              (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128)), (("paged", paged),))
+                  for layout, paged in (("contiguous", False), ("paged", True))),
 )

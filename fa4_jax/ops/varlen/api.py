@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 from jax.typing import ArrayLike
 
-from fa4_jax import cudnn
-from fa4_jax._validation import check_flag, check_options, check_varlen
-from fa4_jax.attention import Implementation, _trim_window, resolve_with_head_dims
-from fa4_jax.families.varlen import HEAD_DIMS as VARLEN_HEAD_DIMS
-from fa4_jax.primitive_varlen import fa4_varlen_p, kernel_variant
+from fa4_jax.core import cudnn
+from fa4_jax.core.validation import check_flag, check_options, check_varlen
+from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
+from fa4_jax.ops.varlen.spec import HEAD_DIMS as VARLEN_HEAD_DIMS
+from fa4_jax.ops.varlen.primitive import fa4_varlen_p, kernel_variant
 
 STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size", "softcap", "return_lse",
                    "implementation")
@@ -50,7 +50,7 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
-    left, right = _trim_window(*window, q.shape[0], k.shape[0])
+    left, right = trim_window(*window, q.shape[0], k.shape[0])
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
                   has_seqused=seqused_k is not None, has_sinks=sinks is not None, max_seqlen_q=int(max_seqlen_q or 0))

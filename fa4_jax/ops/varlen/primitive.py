@@ -3,51 +3,45 @@
 Operands: q (total_q, h_q, d), k, v (total_k, h_k, d), cu_seqlens_q, cu_seqlens_k, then seqused_k
 when `has_seqused`, then sinks when `has_sinks`. Params: softmax_scale, window_left / window_right
 (causal folded in), softcap, has_seqused, has_sinks, max_seqlen_q (0 = unknown: total_q bounds it),
-implementation. Lowering (fa4_jax/lowering.py, per platform): on CUDA, when the kernel can serve the call, a typed-FFI
-custom call (ffi/varlen.cc); otherwise the pure-JAX reference. vmap: one launch (see _batch_rule). Inference only.
+implementation. Lowering (fa4_jax/core/lowering.py, per platform): on CUDA, when the kernel can serve the
+call, the family's FFI call (ffi/varlen.cc); otherwise the pure-JAX reference. Sharding:
+fa4_jax/ops/varlen/sharding.py. vmap: one launch (see _batch_rule). Inference only.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fa4_jax import _compat, sharding
-from fa4_jax._validation import dtype_tag
+from fa4_jax.core import compat, cudnn
+from fa4_jax.core.ffi_call import kernel_call
+from fa4_jax.core.primitive import OperandLayout, moved, primitive_pair, register
+from fa4_jax.core.validation import dtype_tag
 from fa4_jax.families import VarlenVariant, mask_kind
-from fa4_jax.families.varlen import VARLEN
-from fa4_jax.lowering import register_local_lowerings
-from fa4_jax.primitive import _moved, define_jitted_impl, register_inference_only
-from fa4_jax.reference import attention_varlen_reference
+from fa4_jax.ops.varlen.spec import VARLEN
+from fa4_jax.ops.varlen import sharding
+from fa4_jax.ops.varlen.reference import attention_varlen_reference
 
-fa4_varlen_p = _compat.Primitive("fa4_varlen")
-fa4_varlen_p.multiple_results = True
+OPERANDS = OperandLayout(VARLEN, {"seqused_k": "has_seqused", "sinks": "has_sinks"})
+_NAMES = OPERANDS.names  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks
 
 
 def _split(operands, has_seqused: bool, has_sinks: bool):
-    q, k, v, cu_q, cu_k, *rest = operands
-    return q, k, v, cu_q, cu_k, (rest[0] if has_seqused else None), (rest[-1] if has_sinks else None)
+    named = OPERANDS.split(operands, dict(has_seqused=has_seqused, has_sinks=has_sinks))
+    return tuple(named[n] for n in _NAMES)
 
 
 def _join(*xs):
-    return tuple(x for x in xs if x is not None)
+    return OPERANDS.join(dict(zip(_NAMES, xs)))
 
 
-def _abstract_eval(q, *operands, **params):
+def _abstract_eval(*operands, **params):
+    q = OPERANDS.split(operands, params)["q"]
     total_q, h_q, _ = q.shape
-    return (_compat.ShapedArray(q.shape, q.dtype), _compat.ShapedArray((h_q, total_q), jnp.float32))
+    return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray((h_q, total_q), jnp.float32))
 
 
-fa4_varlen_p.def_abstract_eval(_abstract_eval)
-
-# The per-shard primitive (see fa4_jax/sharding.py): fa4_varlen_p lowers through the sharding rule into it.
-fa4_varlen_local_p = _compat.Primitive("fa4_varlen_local")
-fa4_varlen_local_p.multiple_results = True
-fa4_varlen_local_p.def_abstract_eval(_abstract_eval)
-
-
-define_jitted_impl(fa4_varlen_p)
+fa4_varlen_p, fa4_varlen_local_p = primitive_pair("fa4_varlen", _abstract_eval)
 
 
 def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
@@ -67,17 +61,13 @@ def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> VarlenVaria
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
                  implementation):
     del implementation
-    q, k, v, cu_q, cu_k, used, sinks = _split(operands, has_seqused, has_sinks)
-    total_q, h_q, _ = q.shape
-    used = cu_k[1:] - cu_k[:-1] if used is None else used
-    sinks = jnp.full((h_q,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    call = jax.ffi.ffi_call(
-        VARLEN.target,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((h_q, total_q), jnp.float32)),
-    )
-    return call(q, k, v, cu_q, cu_k, used, sinks, softmax_scale=np.float32(softmax_scale),
-                softcap=np.float32(softcap), window_left=np.int32(window_left), window_right=np.int32(window_right),
-                max_seqlen_q=np.int32(_grid_rows(total_q, max_seqlen_q)))
+    named = OPERANDS.split(operands, dict(has_seqused=has_seqused, has_sinks=has_sinks))
+    cu_k = named["cu_seqlens_k"]
+    if named["seqused_k"] is None:  # the kernel always reads seqused_k: every sequence's own keys
+        named["seqused_k"] = cu_k[1:] - cu_k[:-1]
+    return kernel_call(VARLEN, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
+                                           window_right=window_right,
+                                           max_seqlen_q=_grid_rows(named["q"].shape[0], max_seqlen_q)))
 
 
 def _grid_rows(total_q, max_seqlen_q: int) -> int:
@@ -102,18 +92,13 @@ def _is_empty(avals, params) -> bool:
     return any(isinstance(x, int) and x == 0 for x in (*q.shape, *k.shape, cu_q.shape[0] - 1))
 
 
-register_local_lowerings(fa4_varlen_local_p, reference=_reference, kernel=_kernel_call, is_empty=_is_empty,
-                         variant=kernel_variant, shape_reason=_symbolic_reason)
-sharding.register(fa4_varlen_p, fa4_varlen_local_p, *sharding.varlen_rules)
-
-
 def _batch_rule(args, dims, *, has_seqused, has_sinks, max_seqlen_q, **params):
     """One kernel launch: slice i's packed tokens follow slice i-1's, its offsets shift by i * total,
     and the rows between its last sequence's end and the next slice become a sequence with no keys
     (o = 0 there, as for rows past cu_seqlens_q[-1] of one call). Per-slice sinks: a sequential map."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     kw = dict(has_seqused=has_seqused, has_sinks=has_sinks, **params)
-    q, k, v, cu_q, cu_k, used, sinks = (None if x is None else _moved(x, d, size)
+    q, k, v, cu_q, cu_k, used, sinks = (None if x is None else moved(x, d, size)
                                         for x, d in zip(_split(args, has_seqused, has_sinks),
                                                         _split(dims, has_seqused, has_sinks)))
     if sinks is not None and _split(dims, has_seqused, has_sinks)[-1] is not None:
@@ -138,7 +123,6 @@ def _batch_rule(args, dims, *, has_seqused, has_sinks, max_seqlen_q, **params):
     return (o.reshape(n, total_q, *o.shape[1:]), jnp.moveaxis(lse.reshape(lse.shape[0], n, total_q), 1, 0)), (0, 0)
 
 
-_compat.register_batching(fa4_varlen_p, _batch_rule)
-
-
-register_inference_only(fa4_varlen_p)
+register(fa4_varlen_p, fa4_varlen_local_p, reference=_reference, kernel=_kernel_call, variant=kernel_variant,
+         is_empty=_is_empty, sharding_rules=sharding.RULES, batch_rule=_batch_rule, cudnn_entry=cudnn.VARLEN,
+         shape_reason=_symbolic_reason)

@@ -1,22 +1,17 @@
 """The varlen family: attention over packed variable-length sequences (total_tokens, heads, d).
 
-Its kernels (fa4_jax/kernels/varlen_sm90.py) are the dense kernel at per-sequence offsets read
+Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.varlen) are the dense kernel at per-sequence offsets read
 from cu_seqlens; handler ffi/varlen.cc. Compile-time: mask kind and softcap, as for the dense family;
 offsets, lengths, window bounds, softcap value, sinks and the grid bound max_seqlen_q are runtime.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from fa4_jax.families.base import (
-    Field,
-    KernelFamily,
-    TensorArg,
-    params_as_scalars,
-)
-from fa4_jax.families.base import DTYPES
-from fa4_jax.families.fwd import ATTENTION_KEY, MASKS, FwdVariant
+from fa4_jax.families.base import Attr, Buffer, CallSignature, Field, KernelFamily, PublicEntry, TensorArg, params_as_scalars
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, FwdVariant
+from fa4_jax.ops.fwd.spec import default_menu as fwd_default_menu
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -33,13 +28,8 @@ class VarlenVariant(FwdVariant):
 
 
 def default_menu() -> tuple[VarlenVariant, ...]:
-    return tuple(
-        VarlenVariant("sm90", dtype, hd, mask, softcap)
-        for dtype in DTYPES
-        for hd in HEAD_DIMS
-        for mask in MASKS
-        for softcap in (False, True)
-    )
+    """The dense family's default menu at the head dims the varlen kernels are built for."""
+    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu() if v.head_dim in HEAD_DIMS)
 
 
 def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
@@ -62,6 +52,26 @@ _PARAMS = (
     Field("int32_t", "max_ctas", "persistent grid size (SM count) or INT32_MAX for one CTA per tile"),
 )
 
+CALL = CallSignature(
+    operands=(
+        Buffer("q", "input", ("total_q", "h_q", "d")),
+        Buffer("k", "input", ("total_k", "h_k", "d")),
+        Buffer("v", "input", ("total_k", "h_k", "d")),
+        Buffer("cu_seqlens_q", "i32", ("b1",), "(batch + 1,) query offsets"),
+        Buffer("cu_seqlens_k", "i32", ("b1",), "(batch + 1,) key offsets"),
+        Buffer("seqused_k", "i32", ("b",), "keys used per sequence (the lowering passes the offsets' "
+                                           "differences when the user gives none)"),
+        SINKS,
+    ),
+    results=(
+        Buffer("o", "input", ("total_q", "h_q", "d")),
+        Buffer("lse", "f32", ("h_q", "total_q")),
+    ),
+    attrs=SOFTMAX_ATTRS + (
+        Attr("max_seqlen_q", "i32", ">= 1, bounds every sequence's queries: the grid's m-blocks"),
+    ),
+)
+
 VARLEN = KernelFamily(
     name="varlen",
     target="fa4_jax_varlen_v1",
@@ -82,7 +92,9 @@ VARLEN = KernelFamily(
                               "max_seqlen_q", "max_ctas"),
     key=ATTENTION_KEY,
     enums={"Mask": MASKS},
+    call=CALL,
     handler="ffi/varlen.cc",
     compile="fa4_jax.kernels.varlen:compile_variant",
     default_menu=default_menu,
+    entries=(PublicEntry("attention_varlen", "attention_varlen", (("any lengths", 32, 64),)),),
 )

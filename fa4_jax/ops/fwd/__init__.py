@@ -1,0 +1,1 @@
+"""The dense forward family: `fa4_jax.attention`."""

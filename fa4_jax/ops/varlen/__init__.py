@@ -1,0 +1,1 @@
+"""The varlen family: `fa4_jax.attention_varlen`."""
