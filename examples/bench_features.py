@@ -9,7 +9,8 @@ excludes almost nothing (the `local` kernel doing the plain kernel's work); slid
 4k keys (time should follow the window, not s^2). TFLOP/s counts the scores actually computed:
 4*b*h*d * (visible (query, key) pairs). cuDNN (`jax.nn.dot_product_attention`) runs the rows it can
 express (causal, plain, left windows); it has no softcap and no sinks. Timing as in benchmark.py
-(GUIDE.md §5); every row is checked against a float64 host oracle on a slice first.
+(method: docs/BENCHMARKING.md); every row is checked against a float64 host oracle on a slice
+first.
 """
 
 from __future__ import annotations

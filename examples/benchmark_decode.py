@@ -11,8 +11,9 @@ and V bytes each call must read (2 * b * s_k * h_kv * d * 2 bytes) over the time
 q/k/v (it has no cache lengths, so it gets exactly the valid keys). Paged rows: the same cache cut into
 pages of 16 / 64 / 256 tokens scattered in a shuffled pool, compared with the contiguous cache.
 
-Timing as in benchmark.py (GUIDE.md §5): jitted, warmed up, batches of back-to-back calls over two
-input sets, median of batches. Every row is checked against a float32 oracle before it is timed.
+Timing as in benchmark.py (method: docs/BENCHMARKING.md): jitted, warmed up, batches of back-to-back
+calls over two input sets, median of batches. Every row is checked against a float32 oracle before it
+is timed.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Rows (bf16, head_dim 128, 16 q-heads / 16 kv-heads):
 - a mix of 1 x 8192 + 15 x 512 causal tokens: varlen against the same batch padded to 16 x 8192
   through dense `attention` (what a user without varlen runs); 15x fewer FLOPs, so a good kernel is
   > 5x faster.
-TFLOP/s counts visible (query, key) pairs: 4 * h * d * pairs. Timing as in benchmark.py (GUIDE.md §5);
-each row is checked against a float32 oracle on a slice first.
+TFLOP/s counts visible (query, key) pairs: 4 * h * d * pairs. Timing as in benchmark.py (method:
+docs/BENCHMARKING.md); each row is checked against a float32 oracle on a slice first.
 """
 
 from __future__ import annotations

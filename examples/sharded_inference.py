@@ -30,7 +30,7 @@ import fa4_jax
 
 
 def timed(fn, *args, n=10, batches=5):
-    """(result, seconds per call): median over `batches` of n back-to-back calls (GUIDE.md §5)."""
+    """(result, seconds per call): median over `batches` of n back-to-back calls (docs/BENCHMARKING.md)."""
     out = jax.block_until_ready(fn(*args))
     times = []
     for _ in range(batches):
