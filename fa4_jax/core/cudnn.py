@@ -3,7 +3,7 @@ that our kernels cannot serve (A100, L40, B200, a Hopper without the kernel libr
 `implementation="cudnn"`.
 
 fa4_jax calls jax's own cuDNN fused attention (jax/_src/cudnn/fused_attention_stablehlo.py, through
-fa4_jax._compat: the `__cudnn$fmha*` custom call XLA compiles into a cuDNN graph) and asks it for the
+fa4_jax.core.compat: the `__cudnn$fmha*` custom call XLA compiles into a cuDNN graph) and asks it for the
 softmax statistics too, which are our float32 natural-log LSE (b, h_q, s_q). The mapping is exact or
 not used: `cudnn_reason` is None only for calls whose every output element cuDNN defines as we do.
 
@@ -54,7 +54,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.core import compat as _compat
+from fa4_jax.core import compat
 
 ATTENTION, KVCACHE, VARLEN = "attention", "attention_with_kvcache", "attention_varlen"
 ENTRIES = (ATTENTION, KVCACHE, VARLEN)
@@ -227,12 +227,12 @@ def _version_name(version: int) -> str:
 def device_reason(devices, head_dim: int) -> str | None:
     """None when jax's cuDNN attention runs at `head_dim` on every one of `devices` (GPUs of this
     process) with the cuDNN jax loaded; else why not."""
-    api = _compat.cudnn_api_reason()
+    api = compat.cudnn_api_reason()
     if api is not None:
         return api
     if not devices:
         return "no CUDA GPU is known for this program (jax's cuDNN attention reads the GPU while lowering)"
-    version = _compat.cudnn_version()
+    version = compat.cudnn_version()
     if version is None:
         return "jax has no cuDNN in this process (a CPU jaxlib, or the CUDA plugin did not load)"
     if version < MIN_CUDNN:
@@ -277,7 +277,7 @@ def auto_reason(entry: str, avals, params: dict, devices) -> str | None:
 def _attention(q, k, v, *sinks, softmax_scale, window_left, window_right, softcap, has_sinks, implementation):
     del sinks, softcap, has_sinks, implementation  # cudnn_reason excluded them
     mask, window = mask_spec(ATTENTION, q.shape[1], k.shape[1], (window_left, window_right))
-    return _compat.cudnn_attention(q, k, v, q_seqlen=None, kv_seqlen=None, scale=softmax_scale, mask=mask,
+    return compat.cudnn_attention(q, k, v, q_seqlen=None, kv_seqlen=None, scale=softmax_scale, mask=mask,
                                    sliding_window_length=window)
 
 
@@ -287,7 +287,7 @@ def _kvcache(q, k, v, seqlens, *rest, softmax_scale, window_left, window_right, 
     b, s_q = q.shape[:2]
     mask, window = mask_spec(KVCACHE, s_q, k.shape[1], (window_left, window_right))
     kv_len = jnp.clip(seqlens, 0, k.shape[1]).astype(jnp.int32)
-    o, lse = _compat.cudnn_attention(q, k, v, q_seqlen=jnp.full((b,), s_q, jnp.int32), kv_seqlen=kv_len,
+    o, lse = compat.cudnn_attention(q, k, v, q_seqlen=jnp.full((b,), s_q, jnp.int32), kv_seqlen=kv_len,
                                      scale=softmax_scale, mask=mask, sliding_window_length=window)
     seen = kv_len > 0  # a row without keys: o = 0, lse = -inf (cuDNN leaves it undefined)
     o = jnp.where(seen[:, None, None, None], o, jnp.zeros((), o.dtype))

@@ -12,7 +12,7 @@ The primitive's `implementation` param:
 - "fa4": the kernel, or a clear error while lowering (never a silent fallback).
 - "cudnn": jax's cuDNN flash attention, or a clear error while lowering.
 
-"Can serve the call" (fa4_jax.platform.lowering_reason): when the lowering targets devices of this
+"Can serve the call" (fa4_jax.core.platform.lowering_reason): when the lowering targets devices of this
 process that are GPUs (jax.jit on a GPU host), each must be a supported GPU on which the variant's
 module loads; when it targets none (jax.export, or export for CUDA from a CPU host) the kernel
 library must hold the variant, and the FFI handler checks the GPU when the program runs (an

@@ -82,13 +82,13 @@ def head_plan(mesh, q_heads_entry, heads_q: int, heads_kv: int):
     return (), (), 0
 
 
-def slice_kv_heads(q_axes: tuple, kv_slice: int, *kv):
+def slice_kv_heads(q_axes: tuple, kv_slice: int, *kv, axis: int = 2):
     """K/V replicated over more head shards than KV heads: this shard's q-heads all read KV head
-    axis_index // kv_slice (kv_slice = head shards per KV head)."""
+    axis_index // kv_slice (kv_slice = head shards per KV head); `axis` is K/V's head axis."""
     if not kv_slice:
         return kv
     kv_head = jax.lax.axis_index(spec_entry(q_axes)) // kv_slice
-    return tuple(jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in kv)
+    return tuple(jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis) for x in kv)
 
 
 def named_shardings(mesh, specs) -> tuple:

@@ -163,7 +163,7 @@ def check_implementation(implementation) -> str:
 _LAYOUTS = {4: "(batch, seqlen, heads, head_dim)", 3: "(total_tokens, heads, head_dim)"}
 
 
-def _check_tensors(named: dict, rank: int, kernel_constraints: bool) -> None:
+def check_tensors(named: dict, rank: int, kernel_constraints: bool) -> None:
     """Per-array checks: an array of `rank` (heads on axis -2), >= 1 heads, a float dtype."""
     for name, x in named.items():
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -214,7 +214,7 @@ def check_qkv(q, k, v, *, kernel_constraints: bool = True) -> None:
     kernel_constraints=False relaxes dtype to any float and head_dim to any size: the pure-JAX
     reference accepts those (e.g. float32 inputs for an accuracy oracle); the kernel and the API do not.
     """
-    _check_tensors({"q": q, "k": k, "v": v}, 4, kernel_constraints)
+    check_tensors({"q": q, "k": k, "v": v}, 4, kernel_constraints)
     _check_head_dim(q, k, v, ("q", "k", "v"), kernel_constraints)
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
@@ -240,7 +240,7 @@ def check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, kernel
     """q (b, s_q, h_q, d); contiguous caches (b, capacity, h_k, d), or with page_table int32
     (b, max_pages) paged caches (num_pages, page_size, h_k, d); cache_seqlens int32 (b,)."""
     names = ("q", "k_cache", "v_cache")
-    _check_tensors(dict(zip(names, (q, k_cache, v_cache))), 4, kernel_constraints)
+    check_tensors(dict(zip(names, (q, k_cache, v_cache))), 4, kernel_constraints)
     _check_head_dim(q, k_cache, v_cache, names, kernel_constraints)
     _check_kv_heads(q, k_cache, v_cache, names, "((batch or num_pages), (capacity or page_size), heads_kv, head_dim)")
     b = q.shape[0]
@@ -278,7 +278,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, max_seqlen
                  kernel_constraints: bool = True) -> int:
     """Packed q (total_q, h_q, d), k/v (total_k, h_k, d); int32 offsets (batch + 1,); optional
     seqused_k int32 (batch,); optional static max_seqlen hints. Returns the batch size."""
-    _check_tensors({"q": q, "k": k, "v": v}, 3, kernel_constraints)
+    check_tensors({"q": q, "k": k, "v": v}, 3, kernel_constraints)
     _check_head_dim(q, k, v, ("q", "k", "v"), kernel_constraints)
     _check_kv_heads(q, k, v, ("q", "k", "v"), "(total_tokens_k, heads_kv, head_dim)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

@@ -13,7 +13,7 @@ Factors: q (b, sq, (hk g), d), k and v (b, sk, hk, d), sinks ((hk g)), o like q,
 from __future__ import annotations
 
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from fa4_jax.core.partitioning import head_plan, heads_factor, is_masked, named_shardings, slice_kv_heads
 from fa4_jax.core.partitioning import spec_entries, spec_entry
@@ -47,7 +47,7 @@ def _fwd_plan(params: dict, mesh, arg_shapes):
 
 def _fwd_out_shardings(params: dict, mesh, arg_shapes):
     _, out_specs, _, _ = _fwd_plan(params, mesh, arg_shapes)
-    return tuple(NamedSharding(mesh, s) for s in out_specs)
+    return named_shardings(mesh, out_specs)
 
 
 def _fwd_partition(bind, params: dict, mesh, arg_shapes):

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from fa4_jax.core import cudnn
-from fa4_jax.core.validation import _check_tensors, check_flag, check_kvcache, check_num_splits, check_options
 from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
-from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
+from fa4_jax.core.validation import check_flag, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p, kernel_variant
+from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
 
 STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
 
@@ -91,7 +91,7 @@ def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_n
     (or past max_pages * page_size, or in a page id out of range) are dropped, never written.
     """
     for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensors({name: x}, 4, kernel_constraints=False)  # each an array of rank 4 first
+        check_tensors({name: x}, 4, kernel_constraints=False)  # each an array of rank 4 first
     if tuple(k_new.shape) != tuple(v_new.shape) or k_new.dtype != v_new.dtype:
         raise ValueError(f"k_new and v_new must have the same shape and dtype; got k_new {tuple(k_new.shape)} "
                          f"{jnp.dtype(k_new.dtype).name}, v_new {tuple(v_new.shape)} {jnp.dtype(v_new.dtype).name}")

@@ -21,9 +21,9 @@ from fa4_jax.core.ffi_call import kernel_call
 from fa4_jax.core.primitive import OperandLayout, fold_query_slices, moved, primitive_pair, register
 from fa4_jax.core.validation import dtype_tag
 from fa4_jax.families import KVCacheVariant, mask_kind
-from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
 from fa4_jax.ops.kvcache import sharding
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference
+from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
 
 OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "sinks": "has_sinks"})
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from fa4_jax.core.partitioning import axes_of, head_plan, heads_factor, is_masked, named_shardings, slice_kv_heads
 from fa4_jax.core.partitioning import spec_entries, spec_entry

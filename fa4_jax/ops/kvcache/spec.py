@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.families.base import ARCH_CC, DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
-from fa4_jax.families.base import PublicEntry, TensorArg, Variant, bool_literal, params_as_scalars, parse_hd
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS
+from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
+from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, params_as_scalars, parse_hd
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, FwdVariant
 
 HEAD_DIMS = (64, 128, 256)
 # Rows of one query tile (one consumer warpgroup) and keys per split granule: the Python lowering
@@ -46,21 +46,17 @@ def auto_split_capacity(batch: int, heads_kv: int, rows: int, keys: int) -> int:
 
 
 @dataclass(frozen=True, order=True)
-class KVCacheVariant(Variant):
-    """One KV-cache attention kernel: arch x dtype x head_dim x mask kind x softcap x paged."""
+class KVCacheVariant(FwdVariant):
+    """One KV-cache attention kernel: the dense variant's fields (arch x dtype x head_dim x mask kind x
+    softcap), then paged (the producer's address arithmetic)."""
 
     FAMILY_PREFIX = "fa4_kvcache"
 
-    arch: str = "sm90"
-    dtype: str = "bf16"
-    head_dim: int = 128
-    mask: str = "full"
-    softcap: bool = False
     paged: bool = False
 
     def __post_init__(self):
-        self.check_fields({"arch": ARCH_CC, "dtype": DTYPES, "head_dim": HEAD_DIMS, "mask": MASKS},
-                          ("softcap", "paged"))
+        super().__post_init__()
+        self.check_fields({"head_dim": HEAD_DIMS}, ("paged",))
 
     def _symbol_parts(self):
         parts = [self.arch, self.dtype, f"hd{self.head_dim}", self.mask]

@@ -7,10 +7,10 @@ import jax
 from jax.typing import ArrayLike
 
 from fa4_jax.core import cudnn
-from fa4_jax.core.validation import check_flag, check_options, check_varlen
 from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
-from fa4_jax.ops.varlen.spec import HEAD_DIMS as VARLEN_HEAD_DIMS
+from fa4_jax.core.validation import check_flag, check_options, check_varlen
 from fa4_jax.ops.varlen.primitive import fa4_varlen_p, kernel_variant
+from fa4_jax.ops.varlen.spec import HEAD_DIMS as VARLEN_HEAD_DIMS
 
 STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size", "softcap", "return_lse",
                    "implementation")

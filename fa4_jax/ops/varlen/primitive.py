@@ -18,9 +18,9 @@ from fa4_jax.core.ffi_call import kernel_call
 from fa4_jax.core.primitive import OperandLayout, moved, primitive_pair, register
 from fa4_jax.core.validation import dtype_tag
 from fa4_jax.families import VarlenVariant, mask_kind
-from fa4_jax.ops.varlen.spec import VARLEN
 from fa4_jax.ops.varlen import sharding
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
+from fa4_jax.ops.varlen.spec import VARLEN
 
 OPERANDS = OperandLayout(VARLEN, {"seqused_k": "has_seqused", "sinks": "has_sinks"})
 _NAMES = OPERANDS.names  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks

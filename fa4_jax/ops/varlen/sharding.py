@@ -7,11 +7,10 @@ offsets are replicated first (a token shard would cut sequences).
 
 from __future__ import annotations
 
-import jax
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from fa4_jax.core.partitioning import head_plan, heads_factor, named_shardings, spec_entries, spec_entry
+from fa4_jax.core.partitioning import head_plan, heads_factor, named_shardings, slice_kv_heads, spec_entries, spec_entry
 
 def _varlen_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     q, k = value_types[0], value_types[1]
@@ -49,9 +48,7 @@ def _varlen_partition(bind, params: dict, mesh, arg_shapes):
     arg_specs, out_specs, q_axes, kv_slice = _varlen_plan(params, mesh, arg_shapes)
 
     def impl(q, k, v, *rest):
-        if kv_slice:  # (t, h, d): heads are axis 1 here
-            kv_head = jax.lax.axis_index(spec_entry(q_axes)) // kv_slice
-            k, v = (jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=1) for x in (k, v))
+        k, v = slice_kv_heads(q_axes, kv_slice, k, v, axis=1)  # (t, h, d): heads are axis 1 here
         return bind(q, k, v, *rest, **params)
 
     return impl, named_shardings(mesh, arg_specs), named_shardings(mesh, out_specs)
