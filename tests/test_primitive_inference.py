@@ -694,3 +694,37 @@ def test_grad_through_varlen_raises(implementation, wrt):
         jax.grad(loss, argnums=wrt)(q, k, v)
     with pytest.raises(NotImplementedError, match="inference-only"):
         jax.grad(jax.jit(loss), argnums=wrt)(q, k, v)
+
+
+# -- abstract evaluation: a direct bind is checked like the API call -------------------------------
+
+_BAD_BINDS = {
+    "kv_lens": (lambda: kv_bind(*kv_specs()[:3], jax.ShapeDtypeStruct((B + 1,), jnp.int32)),
+                ValueError, r"cache_seqlens must have shape \(2,\) \(batch,\)"),
+    "kv_sinks": (lambda: kv_bind(*kv_specs(), sinks=jax.ShapeDtypeStruct((H_Q + 1,), jnp.float32)),
+                 ValueError, r"sinks must have shape \(heads_q,\)"),
+    "kv_table": (lambda: kv_bind(*kv_specs(paged=True)[:4], jax.ShapeDtypeStruct((B + 1, MAX_PAGES), jnp.int32)),
+                 ValueError, r"page_table"),
+    "kv_count": (lambda: fa4_kvcache_p.bind(*kv_specs()[:3], softmax_scale=0.1, window_left=-1, window_right=-1,
+                                            softcap=0.0, has_sinks=False, paged=False, num_splits=0,
+                                            implementation="xla"),
+                 ValueError, r"fa4_kvcache takes 4 operands with these params"),
+    "varlen_offsets": (lambda: vl_bind(jax.ShapeDtypeStruct((10, 4, 64), jnp.bfloat16),
+                                           *[jax.ShapeDtypeStruct((12, 2, 64), jnp.bfloat16)] * 2,
+                                      jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)),
+                       ValueError, r"cu_seqlens_k must have shape \(3,\) \(batch \+ 1,\)"),
+    "varlen_seqused": (lambda: vl_bind(jax.ShapeDtypeStruct((10, 4, 64), jnp.bfloat16),
+                                           *[jax.ShapeDtypeStruct((12, 2, 64), jnp.bfloat16)] * 2,
+                                           *[jax.ShapeDtypeStruct((3,), jnp.int32)] * 2,
+                                           seqused_k=jax.ShapeDtypeStruct((3,), jnp.int32)),
+                       ValueError, r"seqused_k must have shape \(2,\) \(batch,\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_BINDS))
+def test_direct_bind_checks_shapes(case):
+    """Every primitive's abstract evaluation checks its operands against its params and their shapes
+    the way the public function does (the dense one: tests/test_primitive.py)."""
+    fn, error, message = _BAD_BINDS[case]
+    with pytest.raises(error, match=message):
+        jax.eval_shape(fn)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fa4_jax.core import compat, cudnn
 from fa4_jax.core.ffi_call import kernel_call
 from fa4_jax.core.primitive import OperandLayout, fold_query_slices, moved, primitive_pair, register
-from fa4_jax.core.validation import dtype_tag
+from fa4_jax.core.validation import check_kvcache, check_sinks, dtype_tag
 from fa4_jax.families import KVCacheVariant, mask_kind
 from fa4_jax.ops.kvcache import sharding
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference
@@ -38,7 +38,11 @@ def _join(q, k, v, seqlens, page_table, sinks):
 
 
 def _abstract_eval(*operands, **params):
-    q = OPERANDS.split(operands, params)["q"]
+    """The operands the params say, with the shapes the API checks (a direct bind gets the same errors)."""
+    x = OPERANDS.split(operands, params)
+    q = x["q"]
+    check_kvcache(q, x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], kernel_constraints=False)
+    check_sinks(x["sinks"], q.shape[2])
     b, s_q, h_q, _ = q.shape
     return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray((b, h_q, s_q), jnp.float32))
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from fa4_jax.core import compat, cudnn
 from fa4_jax.core.ffi_call import kernel_call
 from fa4_jax.core.primitive import OperandLayout, moved, primitive_pair, register
-from fa4_jax.core.validation import dtype_tag
+from fa4_jax.core.validation import check_sinks, check_varlen, dtype_tag
 from fa4_jax.families import VarlenVariant, mask_kind
 from fa4_jax.ops.varlen import sharding
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
@@ -36,7 +36,11 @@ def _join(*xs):
 
 
 def _abstract_eval(*operands, **params):
-    q = OPERANDS.split(operands, params)["q"]
+    """The operands the params say, with the shapes the API checks (a direct bind gets the same errors)."""
+    x = OPERANDS.split(operands, params)
+    q = x["q"]
+    check_varlen(q, x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], x["seqused_k"], kernel_constraints=False)
+    check_sinks(x["sinks"], q.shape[1])
     total_q, h_q, _ = q.shape
     return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray((h_q, total_q), jnp.float32))
 
