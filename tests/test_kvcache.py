@@ -579,3 +579,132 @@ def test_update_rejects_bad_inputs(case):
     make, error, message = BAD_UPDATES[case]
     with pytest.raises(error, match=message):
         update_kvcache(*make())
+
+
+# -- update_kvcache, ragged (cu_seqlens_new): a continuous-batching step's writes in one scatter -------
+
+
+def expected_ragged_update(cache, new, cache_seqlens, cu, page_table=None):
+    """The cache after writing new[cu[b] + t] at position cache_seqlens[b] + t of sequence b, one token
+    at a time by the contract's rules (rows past cu[-1] belong to no sequence). Returns (cache, written)."""
+    want, written = np.array(cache, copy=True), 0
+    for i, n in enumerate(np.asarray(cache_seqlens)):
+        for t in range(int(cu[i + 1] - cu[i])):
+            pos = int(n) + t
+            if page_table is None:
+                if not 0 <= pos < cache.shape[1]:
+                    continue
+                row, slot = i, pos
+            else:
+                page_size = cache.shape[1]
+                if pos < 0 or pos // page_size >= page_table.shape[1]:
+                    continue
+                row, slot = int(page_table[i, pos // page_size]), pos % page_size
+                if not 0 <= row < cache.shape[0]:
+                    continue
+            want[row, slot] = new[int(cu[i]) + t]
+            written += 1
+    return want, written
+
+
+def check_ragged_update(k, v, k_new, v_new, seqlens, cu, table=None):
+    k2, v2 = update_kvcache(k, v, k_new, v_new, seqlens, cu_seqlens_new=cu, page_table=table)
+    written = None
+    for name, got, cache, new in (("k", k2, k, k_new), ("v", v2, v, v_new)):
+        want, written = expected_ragged_update(cache, new, seqlens, cu, table)
+        assert (got.shape, got.dtype) == (cache.shape, cache.dtype), f"{name}: {got.shape=} {got.dtype=}"
+        np.testing.assert_array_equal(f64(got), f64(want), err_msg=f"{name}_cache")
+    return written
+
+
+# (lengths before, tokens per sequence): a 7-token prefill chunk, one-token decodes, an empty sequence.
+RAGGED_STEP = (np.array([0, 9, 30, 4, 17], np.int32), np.array([7, 1, 1, 0, 3]))
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 5, 16, 100], ids=["contiguous", "page1", "page5", "page16", "page100"])
+def test_update_ragged(page_size):
+    seqlens, counts = RAGGED_STEP
+    b, h_k = len(seqlens), 2
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    total = int(cu[-1]) + 2  # two trailing rows that belong to no sequence: never written
+    rng = np.random.default_rng(95 + (page_size or 0))
+    if page_size is None:
+        k, v = (draw(rng, (b, 40, h_k, D)) for _ in range(2))
+        table = None
+    else:
+        max_pages = -(-40 // page_size)
+        table = shuffled_page_table(96, b, max_pages, b * max_pages + 3, share=False)
+        k, v = (draw(rng, (b * max_pages + 3, page_size, h_k, D)) for _ in range(2))
+    k_new, v_new = (draw(rng, (total, h_k, D)) for _ in range(2))
+    assert check_ragged_update(k, v, k_new, v_new, seqlens, cu, table) == int(cu[-1])
+
+
+def test_update_ragged_drops_positions_outside_the_cache():
+    # Sequence 0 runs 3 tokens past the capacity, sequence 1 starts at a negative length.
+    rng = np.random.default_rng(97)
+    k, v = (draw(rng, (2, 12, 2, D)) for _ in range(2))
+    k_new, v_new = (draw(rng, (6, 2, D)) for _ in range(2))
+    cu = np.array([0, 4, 6], np.int32)
+    assert check_ragged_update(k, v, k_new, v_new, np.array([11, -1], np.int32), cu) == 2
+
+
+def test_update_ragged_equals_the_padded_update():
+    # The same tokens written by the (batch, seqlen_new) form, one sequence at a time, give the same cache.
+    seqlens, counts = RAGGED_STEP
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rng = np.random.default_rng(98)
+    k, v = (draw(rng, (5, 40, 2, D)) for _ in range(2))
+    k_new, v_new = (draw(rng, (int(cu[-1]), 2, D)) for _ in range(2))
+    k2, v2 = update_kvcache(k, v, k_new, v_new, seqlens, cu_seqlens_new=cu)
+    k3, v3 = jnp.asarray(k), jnp.asarray(v)
+    for i in range(5):
+        if counts[i]:
+            one = np.zeros(5, bool)
+            one[i] = True
+            # Other rows write past the capacity (dropped), so only sequence i changes.
+            lens = np.where(one, seqlens, 10**6).astype(np.int32)
+            kn = np.broadcast_to(k_new[cu[i]:cu[i + 1]][None], (5, counts[i], 2, D))
+            vn = np.broadcast_to(v_new[cu[i]:cu[i + 1]][None], (5, counts[i], 2, D))
+            k3, v3 = update_kvcache(k3, v3, kn, vn, lens)
+    np.testing.assert_array_equal(f64(k2), f64(k3))
+    np.testing.assert_array_equal(f64(v2), f64(v3))
+
+
+def test_update_ragged_with_donated_caches_is_in_place():
+    shape = (2, 256, 2, D)
+    rng = np.random.default_rng(99)
+    k_np, v_np = (draw(rng, shape, np.float16) for _ in range(2))
+    k_new, v_new = (jnp.asarray(draw(rng, (5, 2, D), np.float16)) for _ in range(2))
+    seqlens, cu = jnp.array([5, 254], jnp.int32), jnp.array([0, 2, 5], jnp.int32)  # the second runs 1 past
+    copy = re.compile(r"f16\[2,256,2,64\]\{[0-9,]*\} copy\(")
+    fn = lambda k, v, kn, vn, lens, cu: update_kvcache(k, v, kn, vn, lens, cu_seqlens_new=cu)  # noqa: E731
+    k, v = jnp.asarray(k_np), jnp.asarray(v_np)
+    compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(k, v, k_new, v_new, seqlens, cu).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes == 2 * k_np.nbytes
+    assert not copy.findall(compiled.as_text()), "the donated caches are copied"
+    k2, v2 = compiled(k, v, k_new, v_new, seqlens, cu)
+    for got, cache, new in ((k2, k_np, k_new), (v2, v_np, v_new)):
+        want, written = expected_ragged_update(cache, np.asarray(new), np.asarray(seqlens), np.asarray(cu))
+        assert written == 4
+        np.testing.assert_array_equal(f64(got), f64(want))
+
+
+BAD_RAGGED_UPDATES = {
+    "cu_length": (dict(cu=np.array([0, 2], np.int32)), ValueError,
+                  r"cu_seqlens_new must have shape \(3,\) \(batch \+ 1,\)"),
+    "cu_int64": (dict(cu=np.array([0, 2, 3], np.int64)), TypeError, r"cu_seqlens_new must be int32"),
+    "new_rank_4": (dict(new_shape=(1, 3, 2, D)), ValueError, r"k_new must have rank 3"),
+    "new_heads": (dict(new_shape=(3, 4, D)), ValueError,
+                  r"k_new must be \(total_new, heads_kv, head_dim\) with the cache's heads and dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RAGGED_UPDATES))
+def test_update_ragged_rejects_bad_inputs(case):
+    kw, error, message = BAD_RAGGED_UPDATES[case]
+    rng = np.random.default_rng(100)
+    k, v = (draw(rng, (2, 8, 2, D)) for _ in range(2))
+    new = draw(rng, kw.get("new_shape", (3, 2, D)))
+    cu = kw.get("cu", np.array([0, 2, 3], np.int32))
+    with pytest.raises(error, match=message):
+        update_kvcache(k, v, new, new, np.array([1, 2], np.int32), cu_seqlens_new=cu)

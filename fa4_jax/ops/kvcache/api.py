@@ -21,7 +21,7 @@ from jax.typing import ArrayLike
 
 from fa4_jax.core import cudnn
 from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
-from fa4_jax.core.validation import check_flag, check_kvcache, check_num_splits, check_options, check_tensors
+from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p, kernel_variant
 from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
 
@@ -81,41 +81,77 @@ attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
 
 
 def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, cache_seqlens: ArrayLike,
-                   *, page_table: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
-    """The caches with k_new / v_new (batch, seqlen_new, heads_kv, head_dim) written at positions
-    cache_seqlens[b], ..., cache_seqlens[b] + seqlen_new - 1 of each sequence.
+                   *, cu_seqlens_new: ArrayLike | None = None,
+                   page_table: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
+    """The caches with k_new / v_new written at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
+    of each sequence b.
 
-    cache_seqlens are the lengths *before* the update (pass cache_seqlens + seqlen_new to
-    attention_with_kvcache afterwards). A plain XLA scatter: under jax.jit with the caches donated
-    (donate_argnums=(0, 1)) it updates them in place, without a copy. Positions past the capacity
-    (or past max_pages * page_size, or in a page id out of range) are dropped, never written.
+    k_new, v_new: (batch, seqlen_new, heads_kv, head_dim), every sequence getting seqlen_new tokens; or,
+      with cu_seqlens_new (int32 (batch + 1,) offsets), packed (total_new, heads_kv, head_dim) where
+      sequence b's tokens are rows [cu_seqlens_new[b], cu_seqlens_new[b + 1]) (empty sequences allowed;
+      rows past cu_seqlens_new[-1] belong to no sequence and are not written). The continuous-batching
+      step: prefill chunks and one-token decodes in one update.
+    cache_seqlens are the lengths *before* the update (pass cache_seqlens + the tokens written to
+    attention_with_kvcache afterwards). Contiguous caches (batch, capacity, heads_kv, head_dim), or paged
+    pools (num_pages, page_size, heads_kv, head_dim) of any page size >= 1 with page_table.
+
+    A plain XLA scatter: under jax.jit with the caches donated (donate_argnums=(0, 1)) it updates them in
+    place, without a copy. Positions past the capacity (or past max_pages * page_size, or in a page id
+    out of range) are dropped, never written.
     """
-    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensors({name: x}, 4, kernel_constraints=False)  # each an array of rank 4 first
+    ragged = cu_seqlens_new is not None
+    rank = 3 if ragged else 4
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        check_tensors({name: x}, rank, kernel_constraints=False)  # each an array of its rank first
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensors({name: x}, 4, kernel_constraints=False)
     if tuple(k_new.shape) != tuple(v_new.shape) or k_new.dtype != v_new.dtype:
         raise ValueError(f"k_new and v_new must have the same shape and dtype; got k_new {tuple(k_new.shape)} "
                          f"{jnp.dtype(k_new.dtype).name}, v_new {tuple(v_new.shape)} {jnp.dtype(v_new.dtype).name}")
-    if k_new.shape[2:] != k_cache.shape[2:] or k_new.dtype != k_cache.dtype:
+    if k_new.shape[-2:] != k_cache.shape[2:] or k_new.dtype != k_cache.dtype:
+        layout = "(total_new, heads_kv, head_dim)" if ragged else "(batch, seqlen_new, heads_kv, head_dim)"
         raise ValueError(
-            f"k_new must be (batch, seqlen_new, heads_kv, head_dim) with the cache's heads and dtype; got "
+            f"k_new must be {layout} with the cache's heads and dtype; got "
             f"k_new {tuple(k_new.shape)} {jnp.dtype(k_new.dtype).name}, k_cache {tuple(k_cache.shape)} "
             f"{jnp.dtype(k_cache.dtype).name}"
         )
-    # The cache layout checks of attention, with k_new in q's place (its heads equal the cache's).
-    check_kvcache(k_new, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=False)
-    b, s_new = k_new.shape[:2]
-    pos = cache_seqlens[:, None] + jnp.arange(s_new, dtype=jnp.int32)[None, :]  # (b, s_new)
+    b = cache_seqlens.shape[0] if hasattr(cache_seqlens, "shape") and len(cache_seqlens.shape) == 1 else None
+    if ragged:
+        if b is None:
+            raise ValueError(f"cache_seqlens must be int32 (batch,); got {getattr(cache_seqlens, 'shape', cache_seqlens)!r}")
+        check_index("cu_seqlens_new", cu_seqlens_new, (b + 1,), "(batch + 1,): offsets of each sequence's new tokens")
+    # The cache layout checks of attention, with a (batch, 1, heads_kv, d) stand-in in q's place.
+    q_like = k_new if not ragged else jax.ShapeDtypeStruct((b, 1, *k_new.shape[1:]), k_new.dtype)
+    check_kvcache(q_like, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=False)
+    k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)  # (NumPy inputs; no copy for jax arrays)
+    if ragged:
+        t = jnp.arange(k_new.shape[0], dtype=jnp.int32)
+        cu = jnp.asarray(cu_seqlens_new)
+        # Each row's sequence: how many sequences end at or before it (b past the last one).
+        seq = jnp.sum(cu[1:][None, :] <= t[:, None], axis=1, dtype=jnp.int32)
+        owned = seq < b
+        seq = jnp.minimum(seq, b - 1)
+        pos = jnp.where(owned, cache_seqlens[seq] + t - cu[seq], -1)  # -1: dropped below
+    else:
+        s_new = k_new.shape[1]
+        seq = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s_new))
+        pos = cache_seqlens[:, None] + jnp.arange(s_new, dtype=jnp.int32)[None, :]  # (b, s_new)
+    return _scatter(k_cache, v_cache, k_new, v_new, seq, pos, page_table)
+
+
+def _scatter(k_cache, v_cache, k_new, v_new, seq, pos, page_table):
+    """k_new[i] / v_new[i] written at position pos[i] of sequence seq[i] (any index shape); positions
+    outside the cache are dropped."""
     if page_table is None:
-        rows, slots = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], pos.shape), pos
+        rows, slots = seq, pos
         outside = (pos < 0) | (pos >= k_cache.shape[1])
     else:
         page_size, max_pages = k_cache.shape[1], page_table.shape[1]
         page_idx = pos // page_size
-        rows = jnp.take_along_axis(page_table, jnp.clip(page_idx, 0, max_pages - 1), axis=1)
+        rows = jnp.asarray(page_table)[seq, jnp.clip(page_idx, 0, max_pages - 1)]
         slots = pos % page_size
         outside = (pos < 0) | (page_idx >= max_pages) | (rows < 0) | (rows >= k_cache.shape[0])
     # An index past the end is dropped by the scatter (mode="drop"); negative ones would wrap, so
     # every position outside the cache is sent past the end first.
     rows = jnp.where(outside, k_cache.shape[0], rows)
-    k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)  # (NumPy inputs; no copy for jax arrays)
     return (k_cache.at[rows, slots].set(k_new, mode="drop"), v_cache.at[rows, slots].set(v_new, mode="drop"))
