@@ -708,3 +708,87 @@ def test_update_ragged_rejects_bad_inputs(case):
     cu = kw.get("cu", np.array([0, 2, 3], np.int32))
     with pytest.raises(error, match=message):
         update_kvcache(k, v, new, new, np.array([1, 2], np.int32), cu_seqlens_new=cu)
+
+
+# -- attention_with_kvcache, ragged (cu_seqlens_q): prefill chunks and decodes against the cache -------
+
+
+def _ragged_case(seed, page_size, *, h_q=8, h_k=2, lens=(23, 1, 40, 0, 17), counts=(5, 1, 1, 0, 17)):
+    """Caches holding `lens` keys per sequence (the last `counts` of them the queries' own), poisoned
+    with NaN past each length (and in every page no sequence owns): packed q with two trailing rows that
+    belong to no sequence."""
+    rng = np.random.default_rng(seed)
+    b, cap = len(lens), 48
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    q = draw(rng, (int(cu[-1]) + 2, h_q, D))
+    dense_k, dense_v = (draw(rng, (b, cap, h_k, D)) for _ in range(2))
+    for x in (dense_k, dense_v):
+        for i, n in enumerate(lens):
+            x[i, n:] = np.nan
+    if page_size is None:
+        return q, dense_k, dense_v, np.array(lens, np.int32), cu, None, dense_k, dense_v
+    max_pages = -(-cap // page_size)
+    num_pages = b * max_pages + 3
+    table = shuffled_page_table(seed + 1, b, max_pages, num_pages, share=False)
+    k, v = (np.full((num_pages, page_size, h_k, D), np.nan, dense_k.dtype) for _ in range(2))
+    for i in range(b):
+        for p in range(max_pages):
+            rows = dense_k[i, p * page_size:(p + 1) * page_size]
+            k[table[i, p], :len(rows)] = rows
+            v[table[i, p], :len(rows)] = dense_v[i, p * page_size:(p + 1) * page_size]
+    return q, k, v, np.array(lens, np.int32), cu, table, dense_k, dense_v
+
+
+@pytest.mark.parametrize("options", ["causal", "everything", "window_two_sided"])
+@pytest.mark.parametrize("page_size", [None, 1, 5, 16], ids=["contiguous", "page1", "page5", "page16"])
+def test_ragged_matches_oracle_per_sequence(page_size, options):
+    opts = dict(OPTION_CASES[options])
+    q, k, v, lens, cu, table, dense_k, dense_v = _ragged_case(110 + (page_size or 0), page_size)
+    o, lse = attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, page_table=table, return_lse=True, **opts)
+    assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]), (o.shape, lse.shape)
+    assert np.isfinite(f64(o)).all(), "a NaN past a length or in an unowned page reached a row"
+    for i, n in enumerate(lens):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if rows.start == rows.stop:
+            continue
+        o_want, lse_want = attention_oracle(q[None, rows], dense_k[i:i + 1, :n], dense_v[i:i + 1, :n],
+                                            softmax_scale=SCALE, xp=np, **opts)
+        np.testing.assert_allclose(f64(o[rows]), o_want[0], rtol=1.01 * 2.0**-8, atol=F32_ATOL, err_msg=f"{i=}")
+        np.testing.assert_allclose(f64(lse[:, rows]), lse_want[0], rtol=0, atol=LSE_ATOL, err_msg=f"{i=}")
+    # Rows past cu_seqlens_q[-1] belong to no sequence.
+    np.testing.assert_array_equal(f64(o[int(cu[-1]):]), 0.0)
+
+
+def test_ragged_equals_the_padded_call():
+    # One sequence at a time through the (batch, seqlen_q) form gives the same numbers (the same kernel
+    # or reference arithmetic on the same keys).
+    q, k, v, lens, cu, _, _, _ = _ragged_case(120, None)
+    o = attention_with_kvcache(q, k, v, lens, cu_seqlens_q=cu, causal=True, implementation="xla")
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if rows.start == rows.stop:
+            continue
+        want = attention_with_kvcache(q[None, rows], k[i:i + 1], v[i:i + 1], lens[i:i + 1], causal=True,
+                                      implementation="xla")
+        np.testing.assert_allclose(f64(o[rows]), f64(want[0]), rtol=1.01 * 2.0**-8, atol=F32_ATOL, err_msg=f"{i=}")
+
+
+BAD_RAGGED_CALLS = {
+    "cu_length": (dict(cu=np.array([0, 1], np.int32)), ValueError, r"cu_seqlens_q must have shape \(6,\)"),
+    "q_rank_4": (dict(q_shape=(1, 3, 8, D)), ValueError, r"q must have rank 3"),
+    "hint_without_cu": (dict(cu=None, max_seqlen_q=4), ValueError, r"max_seqlen_q is a hint for a ragged batch"),
+    "num_splits_bad": (dict(num_splits=0), ValueError, r"num_splits"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RAGGED_CALLS))
+def test_ragged_rejects_bad_inputs(case):
+    kw, error, message = BAD_RAGGED_CALLS[case]
+    kw = dict(kw)
+    q, k, v, lens, cu, _, _, _ = _ragged_case(121, None)
+    if "q_shape" in kw:
+        q = draw(np.random.default_rng(122), kw.pop("q_shape"))
+    cu = kw.pop("cu", cu)
+    with pytest.raises(error, match=message):
+        attention_with_kvcache(q if cu is not None or "max_seqlen_q" not in kw else q[None], k, v, lens,
+                               cu_seqlens_q=cu, **kw)

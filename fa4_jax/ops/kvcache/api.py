@@ -24,11 +24,14 @@ from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, 
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p, kernel_variant
 from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
+from fa4_jax.ops.varlen.api import attention_varlen
 
-STATIC_ARGNAMES = ("causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse", "implementation")
+STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
+                   "implementation")
 
 
 def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, cache_seqlens: ArrayLike, *,
+                           cu_seqlens_q: ArrayLike | None = None, max_seqlen_q: int | None = None,
                            page_table: ArrayLike | None = None, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, sinks: ArrayLike | None = None, num_splits: int | None = None,
@@ -43,6 +46,16 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
       cache_seqlens: int32 (batch,), valid keys per sequence, the new tokens included: the queries are
         the last seqlen_q of them (query i sits at key position cache_seqlens[b] - seqlen_q + i), which
         is what causal and window_size are relative to.
+      cu_seqlens_q: None, or int32 (batch + 1,) offsets of a ragged batch (a continuous-batching step:
+        prefill chunks and one-token decodes in one call). q is then packed (total_q, heads_q, head_dim):
+        sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], the last of its cache_seqlens[b]
+        keys (bottom-right aligned per sequence); empty sequences allowed; rows past cu_seqlens_q[-1]
+        belong to no sequence (o = 0). Any page size >= 1. Runs as `attention_varlen` over the cache
+        seen as packed sequences (the varlen kernel for a contiguous cache, a free reshape; a paged cache
+        is first gathered into a contiguous copy, a full read of its pages: correct, not yet fast).
+        num_splits does not apply (no split-KV there).
+      max_seqlen_q: optional static bound on a ragged batch's queries per sequence (as for
+        `fa4_jax.attention_varlen`); only with cu_seqlens_q.
       page_table: None, or int32 (batch, max_pages) page ids of each sequence.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`.
       num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
@@ -55,9 +68,16 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     A row with no visible key (cache_seqlens 0, a window that excludes everything) gives o = 0 and
     lse = -inf (with sinks: lse = the sink logit).
 
-    Returns o like q, or (o, lse) with lse float32 (batch, heads_q, seqlen_q).
+    Returns o like q, or (o, lse) with lse float32 (batch, heads_q, seqlen_q); ragged: (heads_q, total_q).
     Under jax.jit mark the non-array arguments static: attention_with_kvcache.STATIC_ARGNAMES.
     """
+    if cu_seqlens_q is not None:
+        return _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                       page_table=page_table, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                       softcap=softcap, sinks=sinks, num_splits=num_splits, return_lse=return_lse,
+                       implementation=implementation)
+    if max_seqlen_q is not None:
+        raise ValueError("max_seqlen_q is a hint for a ragged batch: pass it with cu_seqlens_q (q packed), or not at all")
     check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table)
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -78,6 +98,39 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
 
 
 attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
+
+
+def packed_cache(k_cache, v_cache, cache_seqlens, page_table):
+    """A KV cache as packed varlen sequences: (k, v) (batch * capacity, heads_kv, d), cu_seqlens_k with
+    sequence b's keys at [b * capacity, (b + 1) * capacity), and seqused_k = its lengths clamped to
+    [0, capacity]. A contiguous cache is reshaped (free); a paged one is gathered (page ids clamped)."""
+    b = cache_seqlens.shape[0]
+    if page_table is None:
+        capacity = k_cache.shape[1]
+        k, v = (jnp.asarray(x).reshape(b * capacity, *x.shape[2:]) for x in (k_cache, v_cache))
+    else:
+        capacity = k_cache.shape[1] * page_table.shape[1]
+        k, v = (jnp.take(jnp.asarray(x), page_table, axis=0, mode="clip").reshape(b * capacity, *x.shape[2:])
+                for x in (k_cache, v_cache))
+    cu_k = jnp.arange(b + 1, dtype=jnp.int32) * capacity
+    return k, v, cu_k, jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)
+
+
+def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, page_table, causal, softmax_scale,
+            window_size, softcap, sinks, num_splits, return_lse, implementation):
+    check_tensors({"q": q}, 3, kernel_constraints=False)
+    if not (hasattr(cache_seqlens, "shape") and len(cache_seqlens.shape) == 1):
+        raise ValueError(f"cache_seqlens must be int32 (batch,); got {getattr(cache_seqlens, 'shape', cache_seqlens)!r}")
+    b = cache_seqlens.shape[0]
+    check_index("cu_seqlens_q", cu_seqlens_q, (b + 1,), "(batch + 1,): offsets of each sequence's queries in q")
+    # The cache layout checks of the padded form, with a (batch, 1, heads_q, d) stand-in for q.
+    check_kvcache(jax.ShapeDtypeStruct((b, 1, *q.shape[1:]), q.dtype), k_cache, v_cache, cache_seqlens, page_table,
+                  kernel_constraints=False)
+    check_num_splits(num_splits)
+    k, v, cu_k, used = packed_cache(k_cache, v_cache, cache_seqlens, page_table)
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q, seqused_k=used, causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, sinks=sinks,
+                            return_lse=return_lse, implementation=implementation)
 
 
 def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, cache_seqlens: ArrayLike,
