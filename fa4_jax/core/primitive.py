@@ -97,10 +97,6 @@ class OperandLayout:
         """The operands to bind, in order (those that are None left out)."""
         return tuple(named[n] for n in self.names if named.get(n) is not None)
 
-    def params_for(self, named: dict, params: dict) -> dict:
-        """params with each presence flag set from `named`."""
-        return dict(params, **{p: named.get(n) is not None for n, p in self.optional.items()})
-
 
 def define_jitted_impl(prim) -> None:
     """Eager calls of `prim` compile the same way jitted ones do: one cached executable per param set
