@@ -48,20 +48,32 @@ int AutoSplits(int64_t tiles, int sms, int64_t blocks, int64_t cap) {
 
 ffi::Error Resolve(const Call &c, Resolved &r) {
   auto qd = c.q.dimensions(), kd = c.k_cache.dimensions(), vd = c.v_cache.dimensions(), od = c.o.dimensions();
-  const int64_t b = qd[0], s_q = qd[1], h_q = qd[2], d = qd[3];
+  // q is (b, s_q, h_q, d), or for a ragged batch (1, total_q, h_q, d) with cu_seqlens_q (b + 1,).
+  const int64_t qb = qd[0], s_q = qd[1], h_q = qd[2], d = qd[3];
+  const int64_t b = c.cache_seqlens.dimensions()[0];
+  const bool ragged = c.cu_seqlens_q.has_value();
   const int64_t kv_rows = kd[0], kv_len = kd[1], h_k = kd[2];
   for (int i = 0; i < 4; ++i)
     if (vd[i] != kd[i]) return Invalid("k_cache and v_cache must have one shape; got " + DimsText(kd) + " and " + DimsText(vd));
   if (kd[3] != d) return Invalid("the caches' head_dim must be q's; got q" + DimsText(qd) + " k_cache" + DimsText(kd));
-  if (od[0] != b || od[1] != s_q || od[2] != h_q || od[3] != d) return Invalid("o must have q's shape " + DimsText(qd));
+  if (od[0] != qb || od[1] != s_q || od[2] != h_q || od[3] != d) return Invalid("o must have q's shape " + DimsText(qd));
   auto ld = c.lse.dimensions();
-  if (ld[0] != b || ld[1] != h_q || ld[2] != s_q)
-    return Invalid("lse must be (batch, heads_q, seqlen_q); got " + DimsText(ld));
+  if (ld[0] != qb || ld[1] != h_q || ld[2] != s_q)
+    return Invalid("lse must be (q.shape[0], heads_q, q.shape[1]); got " + DimsText(ld));
   if (h_k == 0 || h_q % h_k != 0)
     return Invalid("heads_q (" + std::to_string(h_q) + ") must be a multiple of heads_kv (" + std::to_string(h_k) + ")");
-  auto sd = c.cache_seqlens.dimensions();
-  if (sd[0] != b)
-    return Invalid("cache_seqlens must be int32 (batch,) = (" + std::to_string(b) + ",); got " + DimsText(sd));
+  int64_t max_seqlen_q = s_q;
+  if (ragged) {
+    if (qb != 1) return Invalid("a ragged batch's q must be (1, total_q, heads_q, head_dim); got " + DimsText(qd));
+    auto cd = c.cu_seqlens_q->dimensions();
+    if (cd[0] != b + 1)
+      return Invalid("cu_seqlens_q must be int32 (batch + 1,) = (" + std::to_string(b + 1) + ",); got " + DimsText(cd));
+    if (c.max_seqlen_q < 0) return Invalid("max_seqlen_q must be >= 0; got " + std::to_string(c.max_seqlen_q));
+    // 0: no bound given (total_q); no sequence has more rows than q.
+    if (c.max_seqlen_q > 0) max_seqlen_q = std::min<int64_t>(c.max_seqlen_q, s_q);
+  } else if (qb != b) {
+    return Invalid("cache_seqlens must be int32 (batch,) = (" + std::to_string(qb) + ",); got (" + std::to_string(b) + ",)");
+  }
   const bool paged = c.page_table.has_value();
   int64_t capacity = kv_len, max_pages = 1;
   if (paged) {
@@ -79,12 +91,12 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   auto sk = c.sinks.dimensions();
   if (sk[0] != h_q) return Invalid("sinks must be float32 (heads_q,); got " + DimsText(sk));
   auto oad = c.o_accum.dimensions(), lad = c.lse_accum.dimensions();
-  if (oad[0] < 1 || oad[1] != b || oad[2] != s_q || oad[3] != h_q || oad[4] != d)
-    return Invalid("o_accum must be float32 (splits, batch, seqlen_q, heads_q, head_dim); got " + DimsText(oad));
-  if (lad[0] != oad[0] || lad[1] != b || lad[2] != h_q || lad[3] != s_q)
-    return Invalid("lse_accum must be float32 (splits, batch, heads_q, seqlen_q); got " + DimsText(lad));
+  if (oad[0] < 1 || oad[1] != qb || oad[2] != s_q || oad[3] != h_q || oad[4] != d)
+    return Invalid("o_accum must be float32 (splits, q.shape[0], q.shape[1], heads_q, head_dim); got " + DimsText(oad));
+  if (lad[0] != oad[0] || lad[1] != qb || lad[2] != h_q || lad[3] != s_q)
+    return Invalid("lse_accum must be float32 (splits, q.shape[0], heads_q, q.shape[1]); got " + DimsText(lad));
   const int64_t splits_cap = oad[0];
-  for (int64_t x : {b, s_q, h_q, h_k, kv_rows, kv_len, max_pages, capacity, splits_cap})
+  for (int64_t x : {b + 1, s_q, h_q, h_k, kv_rows, kv_len, max_pages, capacity, splits_cap})
     if (!FitsInt32(x)) return Invalid("a dimension exceeds int32");
 
   DType dtype;
@@ -94,27 +106,39 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
     return Invalid("num_splits must be 0 (auto) or in [1, " + std::to_string(splits_cap) +
                    "] (the workspace's extent); got " + std::to_string(c.num_splits));
 
+  // (A ragged batch of no sequence still owes its rows o = 0: the lowering answers it without a launch.)
   if (b == 0 || s_q == 0 || h_q == 0) {
     r.empty = true;
     return ffi::Error::Success();
   }
-  const int64_t m_blocks = (s_q * (h_q / h_k) + kTileM - 1) / kTileM;
+  // The lowering picks the tile from the longest sequence's packed rows (spec.tile_m_for): 64 rows
+  // (one consumer warpgroup) for decode; 128 for chunks, as efficient per key block as the dense kernel.
+  const int tile_m = c.tile_m;
+  if (tile_m != kTileM && tile_m != kTileMWide)
+    return Invalid("tile_m must be " + std::to_string(kTileM) + " or " + std::to_string(kTileMWide) + "; got " +
+                   std::to_string(tile_m));
+  const int64_t rows = max_seqlen_q * (h_q / h_k);
+  const int64_t m_blocks = (rows + tile_m - 1) / tile_m;
   const int64_t tiles = m_blocks * h_k * b;
 
   DeviceInfo dev;
   const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
-  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged}, dev, r);
+  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged, tile_m}, dev, r);
       err.failure())
     return err;
 
   const int64_t blocks = std::max<int64_t>(1, (capacity + kSplitBlockKeys - 1) / kSplitBlockKeys);
   const int64_t splits = c.num_splits > 0 ? c.num_splits : AutoSplits(tiles, dev.num_sms, blocks, splits_cap);
-  if (!FitsInt32(tiles * splits)) return Invalid("batch x heads_kv x query tiles x num_splits exceeds int32");
+  if (!FitsInt32((tiles + m_blocks * h_k) * splits))
+    return Invalid("batch x heads_kv x query tiles x num_splits exceeds int32");
 
   Params &p = r.params;
   BindBuffers(c, p);  // the contiguous kernel never reads the (null) page table: described as (b, 1)
   p.max_pages = static_cast<int32_t>(max_pages);
   p.splits_cap = static_cast<int32_t>(splits_cap);
+  p.qb = static_cast<int32_t>(qb);
+  p.ragged = ragged ? 1 : 0;
+  p.max_seqlen_q = static_cast<int32_t>(max_seqlen_q);
   const int64_t q_strides[3] = {s_q * h_q * d, h_q * d, d};
   const int64_t kv_strides[3] = {kv_len * h_k * d, h_k * d, d};
   for (int i = 0; i < 3; ++i) {
@@ -123,14 +147,14 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   }
   p.lse_stride[0] = h_q * s_q;
   p.lse_stride[1] = s_q;
-  p.o_accum_stride[0] = b * s_q * h_q * d;
+  p.o_accum_stride[0] = qb * s_q * h_q * d;
   p.o_accum_stride[1] = s_q * h_q * d;
   p.o_accum_stride[2] = h_q * d;
   p.o_accum_stride[3] = d;
-  p.lse_accum_stride[0] = b * h_q * s_q;
+  p.lse_accum_stride[0] = qb * h_q * s_q;
   p.lse_accum_stride[1] = h_q * s_q;
   p.lse_accum_stride[2] = s_q;
-  SetSoftmaxAndWindow(p, softmax, c.window_left, c.window_right, capacity, s_q);
+  SetSoftmaxAndWindow(p, softmax, c.window_left, c.window_right, capacity, max_seqlen_q);
   p.num_splits = static_cast<int32_t>(splits);
   p.stream = c.stream;
   return ffi::Error::Success();

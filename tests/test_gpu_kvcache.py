@@ -243,12 +243,22 @@ def test_kvcache_ffi_rejects_num_splits_over_workspace(built):
 
     q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
     kc = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+    operands = dict(q=q, k_cache=kc, v_cache=kc, cache_seqlens=jnp.array([10], jnp.int32))
+    attrs = dict(softmax_scale=0.1, softcap=0.0, window_left=-1, window_right=-1, num_splits=3, max_seqlen_q=0,
+                 tile_m=64)
     # The family's own FFI call with a workspace of 2 splits, asked for 3 (the API never does this).
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"num_splits must be 0 \(auto\) or in \[1, 2\] \(the workspace's extent\); got 3"):
-        jax.block_until_ready(kernel_call(
-            KVCACHE, dict(q=q, k_cache=kc, v_cache=kc, cache_seqlens=jnp.array([10], jnp.int32)),
-            dict(softmax_scale=0.1, softcap=0.0, window_left=-1, window_right=-1, num_splits=3), dims=dict(splits=2)))
+        jax.block_until_ready(kernel_call(KVCACHE, operands, attrs, dims=dict(splits=2)))
+    # A query tile no variant has, and a ragged call whose q is not one packed batch.
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"tile_m must be 64 or 128; got 96"):
+        jax.block_until_ready(kernel_call(KVCACHE, operands, dict(attrs, num_splits=1, tile_m=96),
+                                          dims=dict(splits=2)))
+    ragged = dict(operands, q=jnp.ones((2, 1, 8, 128), jnp.bfloat16), k_cache=jnp.ones((2, 256, 2, 128), jnp.bfloat16),
+                  v_cache=jnp.ones((2, 256, 2, 128), jnp.bfloat16), cache_seqlens=jnp.array([10, 3], jnp.int32),
+                  cu_seqlens_q=jnp.array([0, 1, 2], jnp.int32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"a ragged batch's q must be \(1, total_q, heads_q, head_dim\)"):
+        jax.block_until_ready(kernel_call(KVCACHE, ragged, dict(attrs, num_splits=1), dims=dict(splits=2)))
 
 
 @pytest.mark.parametrize("s_q", [1, 2])

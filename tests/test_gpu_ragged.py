@@ -1,8 +1,9 @@
 """A ragged batch against a KV cache (attention_with_kvcache with cu_seqlens_q) on the GPU
-(`@pytest.mark.gpu`): it runs the varlen kernel over the cache seen as packed sequences, a contiguous
-cache in place and a paged one gathered first. Checked with the accuracy rule of tests/accuracy.py
-against the XLA path and the fp32 oracle per sequence, with NaN poison past every length and in every
-page no sequence owns."""
+(`@pytest.mark.gpu`): one KV-cache kernel launch over the cache in place (contiguous, or pages that are
+multiples of 16), 64- or 128-row query tiles, split-KV; pages of other sizes (1) are gathered and run
+on the varlen kernel. Checked with the accuracy rule of tests/accuracy.py against the XLA path and the
+fp32 oracle per sequence, with NaN poison past every length and in every page no sequence owns, and
+rows past cu_seqlens_q[-1] (o = 0, lse = -inf or the sink)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,22 @@ import pytest
 
 import fa4_jax
 from accuracy import check_against_reference
-from fa4_jax.families import VarlenVariant, mask_kind
+from fa4_jax.families import KVCacheVariant, VarlenVariant, mask_kind
+from fa4_jax.ops.kvcache.spec import PAGE_SIZES, tile_m_for
 from gpu_menu import require_variant
 from oracle import OPTION_CASES, attention_oracle
 
-pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("varlen")]
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("kvcache", "varlen")]
 
-LENS, COUNTS = (700, 1, 300, 0, 129, 64), (512, 1, 1, 0, 129, 3)  # a prefill chunk, decodes, an empty row
+# A mixed step: a prefill chunk, decodes, an empty row, an odd chunk, a short chunk.
+MIXED = ((700, 1, 300, 0, 129, 64), (512, 1, 1, 0, 129, 3))
+# Decodes only (one query each): the 64-row tile.
+DECODE = ((700, 1, 300, 0, 767, 64, 5), (1, 1, 1, 0, 1, 1, 1))
 H_Q, H_K, HD, CAP = 8, 2, 128, 768
 
 
-def _case(seed, page_size):
+def _case(seed, page_size, lens_counts=MIXED):
+    LENS, COUNTS = lens_counts
     rng = np.random.default_rng(seed)
     b = len(LENS)
     cu = np.concatenate([[0], np.cumsum(COUNTS)]).astype(np.int32)
@@ -46,19 +52,34 @@ def _case(seed, page_size):
     return bf(q), bf(k), bf(v), jnp.asarray(np.array(LENS, np.int32)), jnp.asarray(cu), table, dense
 
 
-@pytest.mark.parametrize("options", ["causal", "everything"])
-@pytest.mark.parametrize("page_size", [None, 1, 16], ids=["contiguous", "page1", "page16"])
-def test_ragged_kernel_matches_oracle(kernel_variants, page_size, options):
-    opts = dict(OPTION_CASES[options])
+def _variant(page_size, opts, max_rows):
     left, right = opts.get("window_size", (-1, -1))
-    require_variant(kernel_variants, VarlenVariant("sm90", "bf16", HD, mask_kind(left, 0 if opts.get("causal") else right),
-                                                   opts.get("softcap", 0.0) > 0))
-    q, k, v, lens, cu, table, dense = _case(130 + (page_size or 0), page_size)
+    mask = mask_kind(left, 0 if opts.get("causal") else right)
+    softcap = opts.get("softcap", 0.0) > 0
+    if page_size is not None and page_size not in PAGE_SIZES:
+        return VarlenVariant("sm90", "bf16", HD, mask, softcap)
+    return KVCacheVariant("sm90", "bf16", HD, mask, softcap, page_size is not None,
+                          tile_m_for(max_rows * (H_Q // H_K)))
+
+
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["auto_splits", "splits3"])
+@pytest.mark.parametrize("options", ["causal", "everything"])
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64], ids=["contiguous", "page1", "page16", "page64"])
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options, num_splits):
+    opts = dict(OPTION_CASES[options])
+    lens_counts = MIXED if batch == "mixed" else DECODE
+    LENS, COUNTS = lens_counts
+    hint = None if batch == "mixed" else 1  # mixed: max_seqlen_q = total_q (the 128-row tile)
+    q, k, v, lens, cu, table, dense = _case(130 + (page_size or 0), page_size, lens_counts)
+    require_variant(kernel_variants, _variant(page_size, opts, q.shape[0] if hint is None else hint))
     table = None if table is None else jnp.asarray(table)
+    splits = num_splits if page_size in (None, *PAGE_SIZES) else None  # (the varlen path has no splits)
 
     def run(implementation):
-        fn = jax.jit(lambda *a: fa4_jax.attention_with_kvcache(*a[:4], cu_seqlens_q=a[4], page_table=a[5],
-                                                               return_lse=True, implementation=implementation, **opts))
+        fn = jax.jit(lambda *a: fa4_jax.attention_with_kvcache(
+            *a[:4], cu_seqlens_q=a[4], page_table=a[5], max_seqlen_q=hint, num_splits=splits, return_lse=True,
+            implementation=implementation, **opts))
         return fn(q, k, v, lens, cu, table)
 
     o, lse = run("fa4")
@@ -74,5 +95,17 @@ def test_ragged_kernel_matches_oracle(kernel_variants, page_size, options):
         kd, vd = (jnp.asarray(d[i:i + 1, :n], jnp.bfloat16) for d in dense)
         ob, lb = attention_oracle(q[None, rows], kd, vd, softmax_scale=HD ** -0.5, xp=jnp, **opts)
         o_r, lse_r = o_r.at[rows].set(ob[0]), lse_r.at[:, rows].set(lb[0])
+    assert bool(jnp.all(jnp.isfinite(o))), "a ragged row came out non-finite"
     check_against_reference((o[None], lse[None]), (o_x[None], lse_x[None]), (o_r[None], lse_r[None]),
-                            what=f"ragged page={page_size} {options}")
+                            what=f"ragged {batch} page={page_size} {options} splits={num_splits}")
+
+
+def test_ragged_kernel_is_one_launch_reading_pages_in_place(kernel_variants):
+    """The kernel path must not gather the pool: one custom call on the pool as given, no gather."""
+    require_variant(kernel_variants, KVCacheVariant("sm90", "bf16", HD, "causal", False, True, 128))
+    q, k, v, lens, cu, table, _ = _case(7, 16)
+    fn = jax.jit(lambda *a: fa4_jax.attention_with_kvcache(*a[:4], cu_seqlens_q=a[4], page_table=a[5], causal=True,
+                                                           max_seqlen_q=512, implementation="fa4"))
+    text = fn.lower(q, k, v, lens, cu, jnp.asarray(table)).as_text()
+    assert text.count("fa4_jax_kvcache_v3") == 1, text
+    assert "gather" not in text, "the page pool must be read in place"

@@ -91,8 +91,8 @@ def kv_bind(q, k, v, seqlens, page_table=None, sinks=None, *, softmax_scale=0.12
     operands = tuple(x for x in (q, k, v, seqlens, page_table, sinks) if x is not None)
     return tuple(fa4_kvcache_p.bind(*operands, softmax_scale=softmax_scale, window_left=window_left,
                                     window_right=window_right, softcap=softcap, has_sinks=sinks is not None,
-                                    paged=page_table is not None, num_splits=num_splits,
-                                    implementation=implementation))
+                                    paged=page_table is not None, ragged=False, max_seqlen_q=0, tile_m=64,
+                                    num_splits=num_splits, implementation=implementation))
 
 
 def vl_bind(q, k, v, cu_q, cu_k, seqused_k=None, sinks=None, *, softmax_scale=0.125, window_left=-1,
@@ -108,8 +108,9 @@ def vl_bind(q, k, v, cu_q, cu_k, seqused_k=None, sinks=None, *, softmax_scale=0.
 def test_targets_are_the_current_abis():
     # The FFI ABI names: the C++ handlers register them and serialized exports name them, so a
     # change must be deliberate (a new version suffix), never a side effect. kvcache v2: an absent
-    # page table is a zero-size operand with has_page_table = false (v1: a dummy table and `paged`).
-    assert KV_TARGET == "fa4_jax_kvcache_v2", f"{KV_TARGET=}"
+    # page table is a zero-size operand with has_page_table = false (v1: a dummy table and `paged`);
+    # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q and tile_m attributes).
+    assert KV_TARGET == "fa4_jax_kvcache_v3", f"{KV_TARGET=}"
     assert VL_TARGET == "fa4_jax_varlen_v1", f"{VL_TARGET=}"
 
 
@@ -161,26 +162,27 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     assert custom_calls(text) == [KV_TARGET], f"{custom_calls(text)=}"
     line = call_line(text, KV_TARGET)
 
-    # Six operands always: q, k, v, cache_seqlens, page_table, sinks.
+    # Seven operands always: q, k, v, cache_seqlens, page_table, cu_seqlens_q, sinks.
     names = operand_names(line, KV_TARGET)
-    assert len(names) == 6, f"{names=}"
+    assert len(names) == 7, f"{names=}"
     assert names[:4] == ["%arg0", "%arg1", "%arg2", "%arg3"], f"{names=}"
     if paged:
         assert names[4] == "%arg4", f"the page table must be passed as is: {names=}"
     else:
         assert is_splat(text, names[4], (0, 0), "i32", "0"), f"page_table operand {names[4]} is not a (0, 0) array"
+    assert is_splat(text, names[5], (0,), "i32", "0"), f"cu_seqlens_q operand {names[5]} is not a (0,) array"
     if with_sinks:
-        assert names[5] == f"%arg{4 + paged}", f"{names=}"
+        assert names[6] == f"%arg{4 + paged}", f"{names=}"
         assert NEG_INF_F32 not in text, "given sinks must not be replaced by the -inf default"
     else:
-        assert is_splat(text, names[5], (H_Q,), "f32", NEG_INF_F32), f"sinks operand {names[5]} is not -inf"
+        assert is_splat(text, names[6], (H_Q,), "f32", NEG_INF_F32), f"sinks operand {names[6]} is not -inf"
 
     cap = num_splits or AUTO_CAP[paged]
     kv_type = tensor((NUM_PAGES, PAGE_SIZE, H_K, D) if paged else (B, CAPACITY, H_K, D), "bf16")
     operands, results = signature(line)
     assert operands == [
         tensor((B, S_Q, H_Q, D), "bf16"), kv_type, kv_type, tensor((B,), "i32"),
-        tensor((B, MAX_PAGES) if paged else (0, 0), "i32"), tensor((H_Q,), "f32"),
+        tensor((B, MAX_PAGES) if paged else (0, 0), "i32"), tensor((0,), "i32"), tensor((H_Q,), "f32"),
     ], f"{operands=}"
     assert results == [
         tensor((B, S_Q, H_Q, D), "bf16"), tensor((B, H_Q, S_Q), "f32"),
@@ -190,6 +192,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
 
     # Typed-FFI attributes with the types ffi/kvcache.cc decodes.
     for attribute in (f"num_splits = {num_splits} : i32", f"has_page_table = {'true' if paged else 'false'}",
+                      "has_cu_seqlens_q = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32",
                       "softmax_scale = 6.250000e-02 : f32", "softcap = 3.000000e+01 : f32",
                       "window_left = 100 : i32", "window_right = 0 : i32"):
         assert attribute in line, f"{attribute=} missing from {line}"
@@ -203,7 +206,7 @@ def test_kvcache_cuda_lowering_converts_sinks_to_float32():
     f = lambda q, k, v, lens, table, sinks: kv_bind(q, k, v, lens, table, sinks)  # noqa: E731
     _, text = export_text(f, args, ["cuda"])
     names = operand_names(call_line(text, KV_TARGET), KV_TARGET)
-    convert = rf"{re.escape(names[5])} = stablehlo\.convert %arg5 : \(tensor<8xbf16>\) -> tensor<8xf32>"
+    convert = rf"{re.escape(names[6])} = stablehlo\.convert %arg5 : \(tensor<8xbf16>\) -> tensor<8xf32>"
     assert re.search(convert, text), "bf16 sinks must be converted to float32"
 
 
@@ -438,7 +441,8 @@ def test_kvcache_vmap_is_one_custom_call(paged, with_sinks, in_axes):
     assert operands[1] == operands[2] == tensor(cache_type.shape, "bf16"), f"{operands=}"
     assert operands[3] == tensor((b,), "i32"), f"{operands=}"
     assert operands[4] == (tensor((b, 8), "i32") if paged else tensor((0, 0), "i32")), f"{operands=}"
-    assert operands[5] == tensor((h_q,), "f32"), f"{operands=}"
+    assert operands[5] == tensor((0,), "i32"), f"{operands=}"
+    assert operands[6] == tensor((h_q,), "f32"), f"{operands=}"
     assert results == [tensor((b, S_Q, h_q, D), "bf16"), tensor((b, h_q, S_Q), "f32"),
                        tensor((cap, b, S_Q, h_q, D), "f32"), tensor((cap, b, h_q, S_Q), "f32")], f"{results=}"
     for attribute in ("window_left = 16 : i32", "window_right = 0 : i32", "softcap = 5.000000e+00 : f32",
@@ -706,8 +710,8 @@ _BAD_BINDS = {
     "kv_table": (lambda: kv_bind(*kv_specs(paged=True)[:4], jax.ShapeDtypeStruct((B + 1, MAX_PAGES), jnp.int32)),
                  ValueError, r"page_table"),
     "kv_count": (lambda: fa4_kvcache_p.bind(*kv_specs()[:3], softmax_scale=0.1, window_left=-1, window_right=-1,
-                                            softcap=0.0, has_sinks=False, paged=False, num_splits=0,
-                                            implementation="xla"),
+                                            softcap=0.0, has_sinks=False, paged=False, ragged=False,
+                                            max_seqlen_q=0, tile_m=64, num_splits=0, implementation="xla"),
                  ValueError, r"fa4_kvcache takes 4 operands with these params"),
     "varlen_offsets": (lambda: vl_bind(jax.ShapeDtypeStruct((10, 4, 64), jnp.bfloat16),
                                            *[jax.ShapeDtypeStruct((12, 2, 64), jnp.bfloat16)] * 2,

@@ -119,8 +119,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "softmax exponentiates the raw scores (no row-max shift: exp overflows above ~88)"),
     # -- what the features added since need -----------------------------------------------------
     Mutant("num_splits_ignored", K,
-           "paged=paged, num_splits=num_splits or 0)",
-           "paged=paged, num_splits=0)",
+           "                  num_splits=num_splits or 0)",
+           "                  num_splits=0)",
            ("tests/test_kvcache.py", "-k", "test_num_splits_reaches_the_primitive"),
            "attention_with_kvcache drops num_splits (the kernel always picks its own)"),
     Mutant("num_splits_unbounded", V,

@@ -183,6 +183,8 @@ def cudnn_reason(entry: str, avals, params: dict, *, compute_capability=None) ->
         return "zero-size shapes run the reference"
     if entry == KVCACHE and params.get("paged"):
         return _PAGED
+    if entry == KVCACHE and params.get("ragged"):
+        return _NOT_MAPPED[VARLEN].replace("packed varlen batches", "ragged KV-cache batches")
     return feature_reason(entry, dtype=q.dtype, head_dim=q.shape[-1], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                           window=(params["window_left"], params["window_right"]), softcap=params["softcap"],
                           sinks=params["has_sinks"], compute_capability=compute_capability)
@@ -282,8 +284,9 @@ def _attention(q, k, v, *sinks, softmax_scale, window_left, window_right, softca
 
 
 def _kvcache(q, k, v, seqlens, *rest, softmax_scale, window_left, window_right, softcap, has_sinks, paged,
-             num_splits, implementation):
-    del rest, softcap, has_sinks, paged, num_splits, implementation  # contiguous, no sinks (cudnn_reason)
+             ragged, max_seqlen_q, tile_m, num_splits, implementation):
+    # contiguous, not ragged, no sinks (cudnn_reason)
+    del rest, softcap, has_sinks, paged, ragged, max_seqlen_q, tile_m, num_splits, implementation
     b, s_q = q.shape[:2]
     mask, window = mask_spec(KVCACHE, s_q, k.shape[1], (window_left, window_right))
     kv_len = jnp.clip(seqlens, 0, k.shape[1]).astype(jnp.int32)

@@ -89,14 +89,16 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-def kvcache_config(head_dim: int) -> Sm90FwdConfig:
-    """KV-cache (decode) tiles: one consumer warpgroup of 64 packed query rows (decode has few rows:
-    seqlen_q x q-heads per KV head), and as many K/V stages as shared memory holds, because decode is
-    bound by HBM bandwidth: each SM needs ~64 KB of loads in flight to draw its share of 4.3 TB/s."""
+def kvcache_config(head_dim: int, tile_m: int = 64) -> Sm90FwdConfig:
+    """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
+    warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
+    is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
+    decode is bound by HBM bandwidth: each SM needs ~64 KB of loads in flight to draw its share of
+    4.3 TB/s."""
     tile_n = 128 if head_dim <= 128 else 64
 
     def config(stages: int) -> Sm90FwdConfig:
-        return Sm90FwdConfig(head_dim, 64, tile_n, stages, 240, 24, head_dim > 128, False, o_staging=False)
+        return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, 240, 24, head_dim > 128, False, o_staging=False)
 
     stages = 2
     while stages < 4:

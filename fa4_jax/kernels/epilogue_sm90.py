@@ -117,24 +117,64 @@ def packed_sinks_log2(cfg, sink_log2, tOcO, mSinks, work, problem, log2e):
 
 
 @cute.jit
-def split_store(cfg, acc_O, lse, tOcO, mO, mLSE, mOaccum, mLSEaccum, work, problem):
+def split_store(cfg, acc_O, lse, tOcO, mO, mLSE, mOaccum, mLSEaccum, work, seqlen, problem):
     """SPLIT_PARTIALS: O and LSE of the tile's valid pack-GQA rows, straight from registers: the
-    final o (in q's dtype) and lse without splits, else this split's float32 partials."""
+    final o (in q's dtype) and lse without splits, else this split's float32 partials. A row's
+    query sits at (seqlen.batch_q, seqlen.offset_q + query) of q's (qb, s_q) extents; rows outside
+    them are dropped (offsets are clamped, this is the second guard)."""
     o_mn = acc_as_mn(acc_O)
     for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
         row = work.m_block * cfg.tile_m + tOcO[r, 0][0]
         query = row // problem.qhead_per_kv
-        if query < problem.seqlen_q:
+        pos = seqlen.offset_q + query
+        if query < seqlen.seqlen_q and pos < mO.shape[1]:
             head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
             if problem.num_splits == 1:
-                o_row = mO[work.batch, query, head, None]
+                o_row = mO[seqlen.batch_q, pos, head, None]
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     o_row[tOcO[r, c][1]] = o_mn[r, c].to(mO.element_type)
                 if tOcO[r, 0][1] == 0:
-                    mLSE[work.batch, head, query] = lse[r]
+                    mLSE[seqlen.batch_q, head, pos] = lse[r]
             else:
-                o_row = mOaccum[work.split, work.batch, query, head, None]
+                o_row = mOaccum[work.split, seqlen.batch_q, pos, head, None]
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     o_row[tOcO[r, c][1]] = o_mn[r, c]
                 if tOcO[r, 0][1] == 0:
-                    mLSEaccum[work.split, work.batch, head, query] = lse[r]
+                    mLSEaccum[work.split, seqlen.batch_q, head, pos] = lse[r]
+
+
+@cute.jit
+def fill_unowned_packed_rows(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, tidx, work, seqlen, problem):
+    """SPLIT_PARTIALS' padding (a ragged batch): the pseudo-batch's tile (m_block, kv-head, split)
+    covers the pack-GQA rows past cu_seqlens_q[batch] (seqlen: no keys), strided over the
+    pseudo-batch's m-blocks. What a row without visible keys gets: o = 0 and lse = the sink logit
+    (-inf without sinks); with splits, this split's partial (0, -inf), which the combine turns into
+    the same."""
+    n_threads = 128 * cfg.num_consumer_wg
+    stride = problem.num_m_blocks * cfg.tile_m
+    rows = seqlen.seqlen_q * problem.qhead_per_kv
+    group = problem.qhead_per_kv
+    row0 = work.m_block * cfg.tile_m
+    while row0 < rows:
+        for i in cutlass.range(tidx, cfg.tile_m * cfg.head_dim, n_threads, unroll=1):
+            row = row0 + i // cfg.head_dim
+            if row < rows:
+                query = row // group
+                head = work.head * group + row - query * group
+                pos = seqlen.offset_q + query
+                col = i % cfg.head_dim
+                if problem.num_splits == 1:
+                    mO[seqlen.batch_q, pos, head, col] = Float32(0.0).to(mO.element_type)
+                else:
+                    mOaccum[work.split, seqlen.batch_q, pos, head, col] = Float32(0.0)
+        for i in cutlass.range(tidx, cfg.tile_m, n_threads, unroll=1):
+            row = row0 + i
+            if row < rows:
+                query = row // group
+                head = work.head * group + row - query * group
+                pos = seqlen.offset_q + query
+                if problem.num_splits == 1:
+                    mLSE[seqlen.batch_q, head, pos] = mSinks[head]
+                else:
+                    mLSEaccum[work.split, seqlen.batch_q, head, pos] = -Float32.inf
+        row0 += stride

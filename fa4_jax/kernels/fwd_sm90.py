@@ -86,9 +86,10 @@ class FlashAttentionForwardSm90:
         self.softcap = softcap
         self.seams = FwdSeams.dense() if seams is None else seams
         if self.seams.q_load is QLoad.PACKED_GQA and (
-                cfg.num_consumer_wg != 1 or cfg.warpgroup_pingpong or cfg.separate_o):
-            # The row gather and the per-row stores are written for one warpgroup of 64 rows.
-            raise ValueError("pack-GQA tiles use one consumer warpgroup, no ping-pong, no O staging")
+                cfg.num_consumer_wg > 2 or cfg.warpgroup_pingpong or cfg.separate_o):
+            # The row gather and the per-row stores are written for one or two warpgroups that run
+            # in lockstep (no ping-pong) and store O from registers.
+            raise ValueError("pack-GQA tiles use one or two consumer warpgroups, no ping-pong, no O staging")
         if self.seams.kv_load is KVLoad.PAGED and cfg.tile_n % PAGE_ROWS:
             raise ValueError(f"paged tiles need tile_n % {PAGE_ROWS} == 0: {cfg.tile_n=}")
 
@@ -161,21 +162,24 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def call_kvcache(
         self,
-        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mQ: cute.Tensor,  # (qb, s_q, h_q, d): (b, s_q, h_q, d), or ragged (1, total_q, h_q, d)
         mK: cute.Tensor,  # contiguous (b, capacity, h_k, d) | paged (num_pages, page_size, h_k, d)
         mV: cute.Tensor,
         mPageTable: cute.Tensor,  # (b, max_pages) int32 (paged only)
         mSeqlensK: cute.Tensor,  # (b,) int32
-        mO: cute.Tensor,  # (b, s_q, h_q, d)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) float32
-        mOaccum: cute.Tensor,  # (splits_cap, b, s_q, h_q, d) float32
-        mLSEaccum: cute.Tensor,  # (splits_cap, b, h_q, s_q) float32
+        mCuSeqlensQ: cute.Tensor,  # (b + 1,) int32 (ragged only)
+        mO: cute.Tensor,  # (qb, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (qb, h_q, s_q) float32
+        mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
+        mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
         window_right: Int32,
         num_splits: Int32,
+        ragged: Int32,  # 1: sequence b's rows are [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of s_q
+        max_seqlen_q: Int32,  # bounds every sequence's rows (s_q when not ragged): the grid
         stream: cuda.CUstream,
     ):
         self.expect(Seqlens.CACHE)
@@ -184,13 +188,16 @@ class FlashAttentionForwardSm90:
         # layout: pack-GQA rows are gathered and stored one by one.
         mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
         qhead_per_kv = mQ.shape[2] // mK.shape[2]
-        num_m_blocks = cute.ceil_div(mQ.shape[1] * qhead_per_kv, self.cfg.tile_m)
-        # One CTA per tile: "max_ctas" = every tile.
-        total = num_m_blocks * mK.shape[2] * mQ.shape[0] * num_splits
-        grid = StaticPersistentTileScheduler.grid(num_m_blocks, mK.shape[2], mQ.shape[0], total, num_splits)
+        num_m_blocks = cute.ceil_div(max_seqlen_q * qhead_per_kv, self.cfg.tile_m)
+        # One CTA per tile: "max_ctas" = every tile. A ragged batch adds the pseudo-batch that
+        # writes the rows no sequence owns.
+        batches = mSeqlensK.shape[0] + ragged
+        total = num_m_blocks * mK.shape[2] * batches * num_splits
+        grid = StaticPersistentTileScheduler.grid(num_m_blocks, mK.shape[2], batches, total, num_splits)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                     window_left, window_right, mPageTable=mPageTable, mSeqlensK=mSeqlensK, mOaccum=mOaccum,
-                    mLSEaccum=mLSEaccum, num_splits=num_splits, kv_len=mK.shape[0])
+                    mLSEaccum=mLSEaccum, mCuSeqlensQ=mCuSeqlensQ, num_splits=num_splits, kv_len=mK.shape[0],
+                    num_m_blocks=num_m_blocks, ragged=ragged)
         if num_splits > 1:
             rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
             SplitCombineSm90(self.cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits,
@@ -209,7 +216,7 @@ class FlashAttentionForwardSm90:
     def launch(self, grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                window_left, window_right, mPageTable=None, mSeqlensK=None, mOaccum=None, mLSEaccum=None,
                mCuSeqlensQ=None, mCuSeqlensK=None, mSequsedK=None, num_splits=None, kv_len=None,
-               num_m_blocks=None):
+               num_m_blocks=None, ragged=None):
         """TMA descriptors, shared storage and the launch of `kernel`, for the seams' tensors (the
         others None). K/V, and Q and O where TMA moves them, are (rows, d, h[, b]) here."""
         cfg, seams = self.cfg, self.seams
@@ -243,8 +250,8 @@ class FlashAttentionForwardSm90:
         self.kernel(
             mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
-            window_left, window_right, num_splits, kv_len, num_m_blocks, sQ_layout, sKV_layout, tiled_mma_qk,
-            tiled_mma_pv,
+            window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, sQ_layout, sKV_layout,
+            tiled_mma_qk, tiled_mma_pv,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -387,7 +394,8 @@ class FlashAttentionForwardSm90:
         window_right: Int32,
         num_splits: Optional[Int32],
         kv_len: Optional[Int32],  # KV cache: contiguous: capacity; paged: page_size
-        num_m_blocks: Optional[Int32],  # varlen: from max_seqlen_q
+        num_m_blocks: Optional[Int32],  # varlen / KV cache: from max_seqlen_q
+        ragged: Optional[Int32],  # KV cache: rows from cu_seqlens_q
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
@@ -412,7 +420,7 @@ class FlashAttentionForwardSm90:
 
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
-                                                    num_m_blocks)
+                                                    num_m_blocks, ragged)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
@@ -426,10 +434,10 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-                          window_left, window_right, num_splits, kv_len, num_m_blocks):
+                          window_left, window_right, num_splits, kv_len, num_m_blocks, ragged):
         """The tile scheduler and the TileProblem of the seqlens seam: (m_block, head, batch) tiles
         of dense (s, d, h, b) tensors; of packed (t, d, h) ones, plus the padding pseudo-batch; of
-        pack-GQA rows per KV head, times num_splits."""
+        pack-GQA rows per KV head, times num_splits (ragged: plus the padding pseudo-batch)."""
         cfg = self.cfg
         seqlens = self.seams.seqlens
         lpt = self.mask != "full" and self.seams.scheduler is Scheduler.PERSISTENT
@@ -448,12 +456,14 @@ class FlashAttentionForwardSm90:
                                   num_batch=mCuSeqlensQ.shape[0] - 1, total_q=mQ.shape[0], num_m_blocks=num_m_blocks)
         else:
             qhead_per_kv = mQ.shape[2] // mK.shape[2]
-            num_m_blocks = cute.ceil_div(mQ.shape[1] * qhead_per_kv, cfg.tile_m)
-            scheduler = StaticPersistentTileScheduler.create(num_m_blocks, mK.shape[2], mQ.shape[0], num_splits)
+            num_batch = mSeqlensK.shape[0]
+            scheduler = StaticPersistentTileScheduler.create(num_m_blocks, mK.shape[2], num_batch + ragged,
+                                                             num_splits)
             capacity = kv_len * (mPageTable.shape[1] if const_expr(self.seams.kv_load is KVLoad.PAGED) else 1)
             problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
-                                  mSeqlensK=mSeqlensK, seqlen_q=mQ.shape[1], qhead_per_kv=qhead_per_kv,
-                                  num_splits=num_splits, capacity=capacity)
+                                  mCuSeqlensQ=mCuSeqlensQ, num_batch=num_batch, num_m_blocks=num_m_blocks,
+                                  mSeqlensK=mSeqlensK, seqlen_q=mQ.shape[1], ragged=ragged,
+                                  qhead_per_kv=qhead_per_kv, num_splits=num_splits, capacity=capacity)
         return scheduler, problem
 
     @cute.jit
@@ -473,7 +483,7 @@ class FlashAttentionForwardSm90:
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
-            if const_expr(problem.seqlens is Seqlens.VARLEN):
+            if const_expr(problem.seqlens is not Seqlens.DENSE):
                 if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
                     state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
                                                     tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
@@ -492,8 +502,9 @@ class FlashAttentionForwardSm90:
         seqlen = problem.seqlen(work.batch)
         blocks = problem.blocks(seqlen)
         n_block_min, n_block_max = problem.n_block_range(blocks, work)
-        if const_expr(varlen):
-            has_work = work.m_block * cfg.tile_m < seqlen.seqlen_q and n_block_max > n_block_min
+        if const_expr(problem.seqlens is not Seqlens.DENSE):
+            # The consumers skip tiles past their sequence's rows (consume): so must the loads.
+            has_work = problem.has_rows(work, seqlen) and n_block_max > n_block_min
         else:
             has_work = n_block_max > n_block_min
         if has_work:
@@ -552,13 +563,16 @@ class FlashAttentionForwardSm90:
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
-            if const_expr(problem.seqlens is Seqlens.VARLEN):
+            if const_expr(problem.seqlens is not Seqlens.DENSE):
                 if work.batch < problem.num_batch:
                     seqlen = problem.seqlen(work.batch)
-                    if work.m_block * cfg.tile_m < seqlen.seqlen_q:
+                    if problem.has_rows(work, seqlen):
                         state, q_state = self.consume_tile(work, seqlen, state, q_state, *args)
-                else:
+                elif const_expr(problem.seqlens is Seqlens.VARLEN):
                     epi.fill_unowned_rows(cfg, mO, mLSE, mSinks, tidx, work, problem)
+                else:  # a ragged KV-cache batch's pseudo-batch
+                    epi.fill_unowned_packed_rows(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, tidx, work,
+                                                 problem.seqlen(work.batch), problem)
             else:
                 state, q_state = self.consume_tile(work, problem.seqlen(work.batch), state, q_state, *args)
             tile_idx = scheduler.next(tile_idx)
@@ -584,7 +598,7 @@ class FlashAttentionForwardSm90:
             if const_expr(seams.q_load is QLoad.TMA):
                 pipe_q.consumer_wait(q_state)
             else:
-                gather_packed_q(cfg, mQ, sQ, tile.tidx, work, problem)
+                gather_packed_q(cfg, mQ, sQ, tile.tidx, work, seqlen, problem)
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                   s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS),
                                   softmax, softcap_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
@@ -609,7 +623,8 @@ class FlashAttentionForwardSm90:
             epi.row_store(acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, work.head,
                           seqlen.offset_q + work.m_block * cfg.tile_m, seqlen.seqlen_q - work.m_block * cfg.tile_m)
         else:
-            epi.split_store(cfg, acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, mOaccum, mLSEaccum, work, problem)
+            epi.split_store(cfg, acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, mOaccum, mLSEaccum, work, seqlen,
+                            problem)
         return state, q_state
 
     @cute.jit

@@ -92,18 +92,20 @@ class KVLoader:
 
 
 @cute.jit
-def gather_packed_q(cfg, mQ, sQ, tidx, work, problem):
-    """Pack-GQA Q: gather the tile's (query, q-head) rows with 16-byte cp.async by one consumer
-    warpgroup (rows past seqlen_q are left as they are: they only ever feed rows that are not
+def gather_packed_q(cfg, mQ, sQ, tidx, work, seqlen, problem):
+    """Pack-GQA Q: gather the tile's (query, q-head) rows with 16-byte cp.async by the consumer
+    warpgroups (rows past seqlen_q are left as they are: they only ever feed rows that are not
     stored), then make them visible to wgmma. Row r of the tile is query r // qhead_per_kv of q-head
-    kv_head * qhead_per_kv + r % qhead_per_kv -- a runtime division, hence no TMA box."""
+    kv_head * qhead_per_kv + r % qhead_per_kv -- a runtime division, hence no TMA box -- at
+    (seqlen.batch_q, seqlen.offset_q + query) of q."""
+    n_threads = 128 * cfg.num_consumer_wg
     dtype = mQ.element_type
     vec = 128 // dtype.width
     threads_per_row = cfg.head_dim // vec
     copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
     tiled = cute.make_tiled_copy_tv(
         copy_atom,
-        cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_ordered_layout((n_threads // threads_per_row, threads_per_row), order=(1, 0)),
         cute.make_layout((1, vec)),
     )
     thr = tiled.get_slice(tidx)
@@ -112,9 +114,10 @@ def gather_packed_q(cfg, mQ, sQ, tidx, work, problem):
     for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
         row = work.m_block * cfg.tile_m + tQcQ[0, m, 0][0]
         query = row // problem.qhead_per_kv
-        if query < problem.seqlen_q:
+        pos = seqlen.offset_q + query
+        if query < seqlen.seqlen_q and pos < mQ.shape[1]:
             head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
-            start = mQ.iterator + cute.crd2idx((work.batch, query, head, 0), mQ.layout)
+            start = mQ.iterator + cute.crd2idx((seqlen.batch_q, pos, head, 0), mQ.layout)
             src_row = cute.make_tensor(
                 cute.make_ptr(dtype, start.toint(), cute.AddressSpace.gmem, assumed_align=16),
                 (cfg.head_dim,))
@@ -125,4 +128,4 @@ def gather_packed_q(cfg, mQ, sQ, tidx, work, problem):
     cute.arch.cp_async_wait_group(0)
     # cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
     cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=128)
+    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_threads)

@@ -19,6 +19,9 @@ class SeqlenInfo:
     seqlen_k: Int32
     offset_q: Int32 | int = 0
     offset_k: Int32 | int = 0
+    # CACHE: the extent-0 coordinate of the sequence's rows in q / o / lse -- its batch index, or 0
+    # for a ragged batch, whose rows all sit in one packed (1, total_q, h, d) tensor at offset_q.
+    batch_q: Int32 | int = 0
 
     @staticmethod
     def dense(seqlen_q: Int32, seqlen_k: Int32) -> "SeqlenInfo":

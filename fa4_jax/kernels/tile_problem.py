@@ -26,16 +26,19 @@ class TileProblem:
     window_right: Int32
     # DENSE: every tile has the same lengths, so one BlockInfo, built once, serves them all.
     dense_blocks: BlockInfo | None = None
-    # VARLEN: tiles of batch index num_batch form a pseudo-batch over the rows no sequence owns.
+    # VARLEN (and ragged CACHE): tiles of batch index num_batch form a pseudo-batch over the rows no
+    # sequence owns.
     mCuSeqlensQ: cute.Tensor | None = None
     mCuSeqlensK: cute.Tensor | None = None
     mSequsedK: cute.Tensor | None = None
     num_batch: Int32 | None = None
     total_q: Int32 | None = None
     num_m_blocks: Int32 | None = None
-    # CACHE: pack-GQA rows (block_info.py), split-KV.
+    # CACHE: pack-GQA rows (block_info.py), split-KV; ragged != 0: rows from mCuSeqlensQ into a
+    # (1, total_q, h, d) q (total_q = seqlen_q), else seqlen_q rows per batch entry.
     mSeqlensK: cute.Tensor | None = None
     seqlen_q: Int32 | None = None
+    ragged: Int32 | None = None
     qhead_per_kv: Int32 | int = 1
     num_splits: Int32 | int = 1
     capacity: Int32 | None = None  # keys a sequence can hold: cache_seqlens are clamped to it
@@ -53,8 +56,31 @@ class TileProblem:
             seqlen_k = cutlass.min(cutlass.max(self.mSequsedK[batch], 0), own_keys)
             info = SeqlenInfo(self.mCuSeqlensQ[batch + 1] - offset_q, seqlen_k, offset_q, offset_k)
         else:
-            info = SeqlenInfo(self.seqlen_q, cutlass.max(cutlass.min(self.mSeqlensK[batch], self.capacity), 0))
+            info = self.cache_seqlen(batch)
         return info
+
+    @cute.jit
+    def cache_seqlen(self, batch: Int32) -> SeqlenInfo:
+        """CACHE: batch < num_batch is a sequence (its keys clamped to the capacity); ragged, batch ==
+        num_batch is the pseudo-batch of the rows past cu_seqlens_q[num_batch] (no keys)."""
+        seqlen_k = Int32(0)
+        if batch < self.num_batch:
+            seqlen_k = cutlass.max(cutlass.min(self.mSeqlensK[batch], self.capacity), 0)
+        seqlen_q, offset_q, batch_q = self.seqlen_q, Int32(0), batch
+        if self.ragged != 0:
+            # Offsets are clamped into [0, total_q]: a broken contract must not address outside q / o.
+            offset_q = cutlass.min(cutlass.max(self.mCuSeqlensQ[batch], 0), self.seqlen_q)
+            end = self.seqlen_q
+            if batch < self.num_batch:
+                end = cutlass.min(cutlass.max(self.mCuSeqlensQ[batch + 1], offset_q), self.seqlen_q)
+            seqlen_q, batch_q = end - offset_q, Int32(0)
+        return SeqlenInfo(seqlen_q, seqlen_k, offset_q, 0, batch_q)
+
+    @cute.jit
+    def has_rows(self, work, seqlen: SeqlenInfo):
+        """Whether tile `work` holds any of its sequence's rows (a grid sized by max_seqlen_q has
+        tiles past shorter sequences' ends)."""
+        return work.m_block * self.tile_m < seqlen.seqlen_q * self.qhead_per_kv
 
     @cute.jit
     def blocks(self, seqlen: SeqlenInfo) -> BlockInfo:

@@ -22,8 +22,11 @@ from jax.typing import ArrayLike
 from fa4_jax.core import cudnn
 from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
-from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p, kernel_variant
+from fa4_jax.core.validation import check_varlen
+from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
+from fa4_jax.ops.kvcache.reference import packed_cache
 from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
+from fa4_jax.ops.kvcache.spec import PAGE_SIZES, tile_m_for
 from fa4_jax.ops.varlen.api import attention_varlen
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
@@ -50,12 +53,14 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         prefill chunks and one-token decodes in one call). q is then packed (total_q, heads_q, head_dim):
         sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], the last of its cache_seqlens[b]
         keys (bottom-right aligned per sequence); empty sequences allowed; rows past cu_seqlens_q[-1]
-        belong to no sequence (o = 0). Any page size >= 1. Runs as `attention_varlen` over the cache
-        seen as packed sequences (the varlen kernel for a contiguous cache, a free reshape; a paged cache
-        is first gathered into a contiguous copy, a full read of its pages: correct, not yet fast).
-        num_splits does not apply (no split-KV there).
-      max_seqlen_q: optional static bound on a ragged batch's queries per sequence (as for
-        `fa4_jax.attention_varlen`); only with cu_seqlens_q.
+        belong to no sequence (o = 0, lse = -inf or the sink logit). One kernel launch reads the cache in
+        place (pack-GQA, split-KV with num_splits as below). Any page size >= 1: the kernel reads page
+        sizes that are multiples of 16; other sizes (e.g. 1) are gathered into a contiguous copy first
+        and run on the varlen kernel (correct, not fast; num_splits does not apply there).
+      max_seqlen_q: optional static bound on a ragged batch's queries per sequence (default: total_q;
+        only with cu_seqlens_q). It sizes the kernel's grid and picks its query tile, so a tight bound
+        (1 for pure decode, the chunk size for chunked prefill) launches fewer empty tiles. It must hold:
+        queries of a sequence past max_seqlen_q are not computed.
       page_table: None, or int32 (batch, max_pages) page ids of each sequence.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`.
       num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
@@ -88,7 +93,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     left, right = trim_window(*window, q.shape[1], capacity)
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
-                  paged=paged, num_splits=num_splits or 0)
+                  paged=paged, ragged=False, max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2]),
+                  num_splits=num_splits or 0)
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
     implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
                                             head_dim, KVCACHE_HEAD_DIMS, "KV-cache",
@@ -100,37 +106,49 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
 attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
 
 
-def packed_cache(k_cache, v_cache, cache_seqlens, page_table):
-    """A KV cache as packed varlen sequences: (k, v) (batch * capacity, heads_kv, d), cu_seqlens_k with
-    sequence b's keys at [b * capacity, (b + 1) * capacity), and seqused_k = its lengths clamped to
-    [0, capacity]. A contiguous cache is reshaped (free); a paged one is gathered (page ids clamped)."""
-    b = cache_seqlens.shape[0]
-    if page_table is None:
-        capacity = k_cache.shape[1]
-        k, v = (jnp.asarray(x).reshape(b * capacity, *x.shape[2:]) for x in (k_cache, v_cache))
-    else:
-        capacity = k_cache.shape[1] * page_table.shape[1]
-        k, v = (jnp.take(jnp.asarray(x), page_table, axis=0, mode="clip").reshape(b * capacity, *x.shape[2:])
-                for x in (k_cache, v_cache))
-    cu_k = jnp.arange(b + 1, dtype=jnp.int32) * capacity
-    return k, v, cu_k, jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)
+def _tile_m(rows_per_sequence, heads_q, heads_kv) -> int:
+    """The kernel's query tile for sequences of up to `rows_per_sequence` queries (a symbolic count
+    takes the wide tile: correct for any value, fastest for long ones)."""
+    if not (isinstance(rows_per_sequence, int) and isinstance(heads_q, int) and isinstance(heads_kv, int)):
+        return tile_m_for(1 << 30)
+    return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1))
 
 
 def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, page_table, causal, softmax_scale,
             window_size, softcap, sinks, num_splits, return_lse, implementation):
     check_tensors({"q": q}, 3, kernel_constraints=False)
-    if not (hasattr(cache_seqlens, "shape") and len(cache_seqlens.shape) == 1):
-        raise ValueError(f"cache_seqlens must be int32 (batch,); got {getattr(cache_seqlens, 'shape', cache_seqlens)!r}")
-    b = cache_seqlens.shape[0]
-    check_index("cu_seqlens_q", cu_seqlens_q, (b + 1,), "(batch + 1,): offsets of each sequence's queries in q")
-    # The cache layout checks of the padded form, with a (batch, 1, heads_q, d) stand-in for q.
-    check_kvcache(jax.ShapeDtypeStruct((b, 1, *q.shape[1:]), q.dtype), k_cache, v_cache, cache_seqlens, page_table,
-                  kernel_constraints=False)
-    check_num_splits(num_splits)
-    k, v, cu_k, used = packed_cache(k_cache, v_cache, cache_seqlens, page_table)
-    return attention_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q, seqused_k=used, causal=causal,
-                            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, sinks=sinks,
-                            return_lse=return_lse, implementation=implementation)
+    q4 = jax.ShapeDtypeStruct((1, *q.shape), q.dtype)
+    check_operands(q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, kernel_constraints=False)
+    check_varlen(q, q, q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q=max_seqlen_q, kernel_constraints=False)
+    num_splits = check_num_splits(num_splits)
+    if page_table is not None and k_cache.shape[1] not in PAGE_SIZES:
+        # Pages smaller than a TMA piece (or not a multiple of it): gathered, then the varlen kernel.
+        k, v, cu_k, used = packed_cache(k_cache, v_cache, cache_seqlens, page_table)
+        return attention_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q, seqused_k=used,
+                                causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                sinks=sinks, return_lse=return_lse, implementation=implementation)
+    return_lse = check_flag("return_lse", return_lse)
+    scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                       softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
+    if max_seqlen_q is not None and max_seqlen_q < 1:
+        raise ValueError(f"max_seqlen_q bounds every sequence's queries: None or an int >= 1; got {max_seqlen_q}")
+    total_q = q.shape[0]
+    max_q = total_q if max_seqlen_q is None else int(max_seqlen_q)
+    if isinstance(total_q, int):
+        max_q = min(max_q, max(total_q, 1))
+    paged = page_table is not None
+    capacity = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+    left, right = trim_window(*window, max_q, capacity)
+    head_dim = q.shape[-1]
+    params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
+                  paged=paged, ragged=True, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
+                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2]), num_splits=num_splits or 0)
+    q4 = jnp.asarray(q)[None]
+    operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks) if x is not None)
+    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            head_dim, KVCACHE_HEAD_DIMS, "KV-cache", None)
+    o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
+    return (o[0], lse[0]) if return_lse else o[0]
 
 
 def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, cache_seqlens: ArrayLike,

@@ -1,8 +1,11 @@
 """The `fa4_kvcache` primitive: attention of new queries against a KV cache, two results (o, lse).
 
-Operands: q, k_cache, v_cache, cache_seqlens, then page_table when `paged`, then sinks when
-`has_sinks`. Params: softmax_scale, window_left / window_right (causal folded in), softcap,
-has_sinks, paged, num_splits (0 = the handler picks from the SM count), implementation.
+Operands: q, k_cache, v_cache, cache_seqlens, then page_table when `paged`, cu_seqlens_q when
+`ragged`, sinks when `has_sinks`. q is (batch, seqlen_q, heads_q, d), or ragged (1, total_q, heads_q, d)
+(the API's packed q with a unit axis, so that o, lse and the kernel's layouts are those of a batch of
+one). Params: softmax_scale, window_left / window_right (causal folded in), softcap, has_sinks, paged,
+ragged, max_seqlen_q (ragged: the bound on every sequence's queries; else 0), tile_m (the kernel's
+query tile, spec.tile_m_for), num_splits (0 = the handler picks from the SM count), implementation.
 Lowering (fa4_jax/core/lowering.py, per platform): on CUDA, when the kernel can serve the call, the
 family's FFI call (ffi/kvcache.cc) whose workspace results (the split-KV partials) are sized here
 (fa4_jax.ops.kvcache.spec); otherwise the pure-JAX reference. Sharding: fa4_jax/ops/kvcache/sharding.py.
@@ -19,29 +22,49 @@ import jax.numpy as jnp
 from fa4_jax.core import compat, cudnn
 from fa4_jax.core.ffi_call import kernel_call
 from fa4_jax.core.primitive import OperandLayout, fold_query_slices, moved, primitive_pair, register
-from fa4_jax.core.validation import check_kvcache, check_sinks, dtype_tag
+from fa4_jax.core.validation import check_index, check_kvcache, check_sinks, dtype_tag
 from fa4_jax.families import KVCacheVariant, mask_kind
 from fa4_jax.ops.kvcache import sharding
-from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference
+from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
+from fa4_jax.ops.varlen.reference import attention_varlen_reference
 from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
 
-OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "sinks": "has_sinks"})
+OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks"})
 
 
-def _split(operands, paged: bool, has_sinks: bool):
-    x = OPERANDS.split(operands, dict(paged=paged, has_sinks=has_sinks))
-    return x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], x["sinks"]
+def _split(operands, paged: bool, ragged: bool, has_sinks: bool):
+    x = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks))
+    return (x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], x["cu_seqlens_q"],
+            x["sinks"])
 
 
-def _join(q, k, v, seqlens, page_table, sinks):
-    return OPERANDS.join(dict(q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens, page_table=page_table, sinks=sinks))
+def _join(q, k, v, seqlens, page_table, cu_seqlens_q, sinks):
+    return OPERANDS.join(dict(q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens, page_table=page_table,
+                              cu_seqlens_q=cu_seqlens_q, sinks=sinks))
+
+
+def check_operands(q, k, v, seqlens, page_table, cu_seqlens_q, *, kernel_constraints: bool) -> None:
+    """The shape checks of both layouts; ragged: q (1, total_q, heads_q, d) and cu_seqlens_q (b + 1,)."""
+    if cu_seqlens_q is None:
+        check_kvcache(q, k, v, seqlens, page_table, kernel_constraints=kernel_constraints)
+        return
+    if len(q.shape) != 4 or q.shape[0] != 1:
+        raise ValueError(f"a ragged call's q must be (1, total_q, heads_q, head_dim); got {tuple(q.shape)}")
+    if not (hasattr(seqlens, "shape") and len(seqlens.shape) == 1):
+        raise ValueError(f"cache_seqlens must be int32 (batch,); got {getattr(seqlens, 'shape', seqlens)!r}")
+    b = seqlens.shape[0]
+    check_index("cu_seqlens_q", cu_seqlens_q, (b + 1,), "(batch + 1,): offsets of each sequence's queries in q")
+    # The cache layout checks of the padded form, with a (batch, 1, heads_q, d) stand-in for q.
+    check_kvcache(jax.ShapeDtypeStruct((b, 1, *q.shape[2:]), q.dtype), k, v, seqlens, page_table,
+                  kernel_constraints=kernel_constraints)
 
 
 def _abstract_eval(*operands, **params):
     """The operands the params say, with the shapes the API checks (a direct bind gets the same errors)."""
     x = OPERANDS.split(operands, params)
     q = x["q"]
-    check_kvcache(q, x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], kernel_constraints=False)
+    check_operands(q, x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], x["cu_seqlens_q"],
+                   kernel_constraints=False)
     check_sinks(x["sinks"], q.shape[2])
     b, s_q, h_q, _ = q.shape
     return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray((b, h_q, s_q), jnp.float32))
@@ -50,12 +73,18 @@ def _abstract_eval(*operands, **params):
 fa4_kvcache_p, fa4_kvcache_local_p = primitive_pair("fa4_kvcache", _abstract_eval)
 
 
-def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, num_splits,
-               implementation):
-    del num_splits, implementation
-    q, k, v, seqlens, page_table, sinks = _split(operands, paged, has_sinks)
-    return attention_with_kvcache_reference(q, k, v, seqlens, page_table=page_table, softmax_scale=softmax_scale,
-                                            window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
+               tile_m, num_splits, implementation):
+    del max_seqlen_q, tile_m, num_splits, implementation
+    q, k, v, seqlens, page_table, cu_q, sinks = _split(operands, paged, ragged, has_sinks)
+    if not ragged:
+        return attention_with_kvcache_reference(q, k, v, seqlens, page_table=page_table, softmax_scale=softmax_scale,
+                                                window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+    # Ragged: the varlen reference over the cache seen as packed sequences (one per batch entry).
+    pk, pv, cu_k, used = packed_cache(k, v, seqlens, page_table)
+    o, lse = attention_varlen_reference(q[0], pk, pv, cu_q, cu_k, seqused_k=used, softmax_scale=softmax_scale,
+                                        window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+    return o[None], lse[None]
 
 
 def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
@@ -72,6 +101,8 @@ def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
     b, s_q, h_q, _ = q_shape
     h_k = k_shape[2]
     group = h_q // h_k if static(h_q) and static(h_k) else 1
+    # (A ragged q is (1, total_q, ...): the total's rows in one sequence, the fewest tiles they can
+    # make, so the largest split count the handler may want.)
     rows = (s_q if static(s_q) else 1) * group
     key_dims = (k_shape[1], *(() if page_table_shape is None else (page_table_shape[1],)))
     keys = math.prod(key_dims) if all(map(static, key_dims)) else MAX_SPLITS * SPLIT_BLOCK_KEYS
@@ -81,26 +112,28 @@ def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
 def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVariant:
     """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
     return KVCacheVariant(arch, dtype_tag(dtype), head_dim, mask_kind(params["window_left"], params["window_right"]),
-                          params["softcap"] > 0, params["paged"])
+                          params["softcap"] > 0, params["paged"], params["tile_m"])
 
 
-def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, num_splits,
-                 implementation):
+def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
+                 tile_m, num_splits, implementation):
     del implementation
-    named = OPERANDS.split(operands, dict(paged=paged, has_sinks=has_sinks))
+    named = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks))
     table = named["page_table"]
     splits = split_capacity(named["q"].shape, named["k_cache"].shape, None if table is None else table.shape,
                             num_splits)
     return kernel_call(KVCACHE, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
-                                            window_right=window_right, num_splits=num_splits),
+                                            window_right=window_right, num_splits=num_splits,
+                                            max_seqlen_q=max_seqlen_q, tile_m=tile_m),
                        dims=dict(splits=splits))
 
 
 def _is_empty(avals, params) -> bool:
     """No batch, query, head, cache slot or page: the reference answers without a launch."""
-    q, k = avals[0], avals[1]
-    dims = (*q.shape, *k.shape, *(avals[4].shape if params["paged"] else ()))
-    return any(isinstance(x, int) and x == 0 for x in dims)
+    x = OPERANDS.split(avals, params)
+    dims = (*x["q"].shape, *x["k_cache"].shape, *x["cache_seqlens"].shape,
+            *(x["page_table"].shape if params["paged"] else ()))
+    return any(isinstance(d, int) and d == 0 for d in dims)
 
 
 def _batch_rule(args, dims, *, paged, has_sinks, **params):
@@ -115,15 +148,17 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
       per-slice sinks belong to different models).
     """
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    q, k, v, seqlens, page_table, sinks = _split(args, paged, has_sinks)
-    dq, dk, dv, dl, dp, ds = _split(dims, paged, has_sinks)
+    ragged = params["ragged"]
+    q, k, v, seqlens, page_table, cu_q, sinks = _split(args, paged, ragged, has_sinks)
+    dq, dk, dv, dl, dp, dc, ds = _split(dims, paged, ragged, has_sinks)
     kw = dict(paged=paged, has_sinks=has_sinks, **params)
-    if dk is None and dv is None and dl is None and dp is None:
+    if dk is None and dv is None and dl is None and dp is None and dc is None:
         qf, sf, unfold = fold_query_slices(q, dq, sinks, ds, size, k.shape[2])
-        return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, sf), **kw)), (0, 0)
-    if ds is not None:
-        slices = [moved(x, d, size) if x is not None else None for x, d in zip((q, k, v, seqlens, page_table, sinks),
-                                                                              (dq, dk, dv, dl, dp, ds))]
+        return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, cu_q, sf), **kw)), (0, 0)
+    if ds is not None or ragged:
+        # (A ragged batch whose cache or offsets differ per slice: a sequential map over the slices.)
+        slices = [moved(x, d, size) if x is not None else None
+                  for x, d in zip((q, k, v, seqlens, page_table, cu_q, sinks), (dq, dk, dv, dl, dp, dc, ds))]
         o, lse = jax.lax.map(lambda xs: tuple(fa4_kvcache_p.bind(*_join(*xs), **kw)), tuple(slices))
         return (o, lse), (0, 0)
 
@@ -144,7 +179,7 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
             kf, vf = (x.reshape(size * num_pages, *x.shape[2:]) for x in (k, v))
             pf = pf + (jnp.arange(size, dtype=jnp.int32) * num_pages)[:, None, None]
         pf = pf.reshape(size * pf.shape[1], pf.shape[2])
-    o, lse = fa4_kvcache_p.bind(*_join(qf, kf, vf, lf, pf, sinks), **kw)
+    o, lse = fa4_kvcache_p.bind(*_join(qf, kf, vf, lf, pf, None, sinks), **kw)
     return (o.reshape(size, -1, *o.shape[1:]), lse.reshape(size, -1, *lse.shape[1:])), (0, 0)
 
 

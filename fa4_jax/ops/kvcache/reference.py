@@ -43,3 +43,19 @@ def attention_with_kvcache_reference(q: ArrayLike, k_cache: ArrayLike, v_cache: 
     if query_chunk is None:
         query_chunk = auto_chunk(b, s_q, h_q, capacity)
     return dense_attention(q, k_cache, v_cache, sinks, kv_len, left, right, scale, cap, query_chunk)
+
+
+def packed_cache(k_cache, v_cache, cache_seqlens, page_table):
+    """A KV cache as packed varlen sequences: (k, v) (batch * capacity, heads_kv, d), cu_seqlens_k with
+    sequence b's keys at [b * capacity, (b + 1) * capacity), and seqused_k = its lengths clamped to
+    [0, capacity]. A contiguous cache is reshaped (free); a paged one is gathered (page ids clamped)."""
+    b = cache_seqlens.shape[0]
+    if page_table is None:
+        capacity = k_cache.shape[1]
+        k, v = (jnp.asarray(x).reshape(b * capacity, *x.shape[2:]) for x in (k_cache, v_cache))
+    else:
+        capacity = k_cache.shape[1] * page_table.shape[1]
+        k, v = (jnp.take(jnp.asarray(x), page_table, axis=0, mode="clip").reshape(b * capacity, *x.shape[2:])
+                for x in (k_cache, v_cache))
+    cu_k = jnp.arange(b + 1, dtype=jnp.int32) * capacity
+    return k, v, cu_k, jnp.clip(cache_seqlens, 0, capacity).astype(jnp.int32)

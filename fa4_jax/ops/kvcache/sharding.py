@@ -17,6 +17,9 @@ positions len - s_q + i (bottom-right), the keys split in two:
   values) and attends to it with the call's own mask, which stays exact because the tail ends at len.
 The parts merge by their LSE (`merge_partials`). A left window at least as long as the cache gathers
 the key axis first instead (the tail would be the whole cache).
+
+A ragged batch (q (1, total_q, (hk g), d), cu_seqlens_q (b + 1)) shards by heads only: its rows mix
+sequences, so batch, query and key axes are gathered (replicated) first.
 """
 
 from __future__ import annotations
@@ -50,16 +53,22 @@ def _capacity(params: dict, k_shape, table_shape) -> int:
 def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     q, k = value_types[0], value_types[1]
     heads, sizes = heads_factor(q.shape[2], k.shape[2])
-    paged = params["paged"]
+    paged, ragged = params["paged"], params["ragged"]
     cache = ArrayMapping("pages", "ps", "hk", "d") if paged else ArrayMapping("b", "cap", "hk", "d")
-    operands = [ArrayMapping("b", "sq", heads, "d"), cache, cache, ArrayMapping("b")]
+    qb = "qb" if ragged else "b"  # a ragged q's unit axis is not the batch
+    operands = [ArrayMapping(qb, "sq", heads, "d"), cache, cache, ArrayMapping("b")]
     if paged:
         operands.append(ArrayMapping("b", "mp"))
+    if ragged:
+        operands.append(ArrayMapping("b1"))
     if params["has_sinks"]:
         operands.append(ArrayMapping(heads))
-    results = (ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", heads, "sq"))
-    cp = _cp_allowed(params, q.shape[1], _capacity(params, k.shape, value_types[4].shape if paged else None))
-    replicate = ("sq",) if is_masked(params) else ()
+    results = (ArrayMapping(qb, "sq", heads, "d"), ArrayMapping(qb, heads, "sq"))
+    cp = not ragged and _cp_allowed(params, q.shape[1],
+                                    _capacity(params, k.shape, value_types[4].shape if paged else None))
+    replicate = ("sq",) if is_masked(params) or ragged else ()
+    if ragged:
+        replicate += ("qb", "b", "b1")
     if paged:
         replicate += ("d",) + (() if cp else ("pages",)) + ("ps", "mp")
     else:
@@ -72,13 +81,15 @@ def _kvcache_plan(params: dict, mesh, arg_shapes):
     b, sq, h, _ = spec_entries(q.sharding, 4)
     k_batch_or_pages, cap, _, _ = spec_entries(k.sharding, 4)
     q_axes, kv_axes, kv_slice = head_plan(mesh, h, q.shape[2], k.shape[2])
-    sq = None if is_masked(params) else sq
+    ragged = params["ragged"]
+    sq = None if is_masked(params) or ragged else sq
+    b = None if ragged else b
     h, kvh = spec_entry(q_axes), spec_entry(kv_axes)
     # The sharded key axis: a contiguous cache's length, or a paged pool's pages (device-local pages).
     split = k_batch_or_pages if params["paged"] else cap
     capacity = _capacity(params, k.shape, arg_shapes[4].shape if params["paged"] else None)
     cp_axes = (tuple(a for a in axes_of(split) if a not in axes_of(b) + q_axes)
-               if _cp_allowed(params, q.shape[1], capacity) else ())
+               if not ragged and _cp_allowed(params, q.shape[1], capacity) else ())
     if params["paged"]:
         cache = PartitionSpec(spec_entry(cp_axes), None, kvh, None)
     else:
@@ -86,6 +97,8 @@ def _kvcache_plan(params: dict, mesh, arg_shapes):
     arg_specs = [PartitionSpec(b, sq, h, None), cache, cache, PartitionSpec(b)]
     if params["paged"]:
         arg_specs.append(PartitionSpec(b, None))
+    if ragged:
+        arg_specs.append(PartitionSpec(None))
     if params["has_sinks"]:
         arg_specs.append(PartitionSpec(h))
     out_specs = (PartitionSpec(b, sq, h, None), PartitionSpec(b, h, sq))

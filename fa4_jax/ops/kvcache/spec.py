@@ -1,14 +1,16 @@
 """The KV-cache family: new queries against a contiguous or paged KV cache, split-KV, pack-GQA.
 
 One call computes attention of q (batch, seqlen_q, heads_q, d) against the first cache_seqlens[b]
-keys of each sequence's cache. Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.kvcache) tile the query heads
+keys of each sequence's cache -- or, ragged (a continuous-batching step), of packed queries
+(total_q, heads_q, d) where sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]); the FFI call
+then sees q as (1, total_q, heads_q, d). Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.kvcache) tile the query heads
 that share a KV head together (pack-GQA: K/V are read once per KV head), may split each sequence's
 keys over several CTAs (split-KV, `num_splits`), and merge the splits with a combine kernel launched
 by the same exported function. The handler is ffi/kvcache.cc.
 
 Compile-time: mask kind, softcap on/off, paged or contiguous cache (the producer's address
-arithmetic). Run time: cache_seqlens, page table, page size, window bounds, softcap value, sinks,
-num_splits.
+arithmetic), query rows per tile (64 for decode, 128 for chunks). Run time: cache_seqlens, page
+table, page size, ragged offsets, window bounds, softcap value, sinks, num_splits.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
-from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, params_as_scalars, parse_hd
+from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
 from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, FwdVariant
 
 HEAD_DIMS = (64, 128, 256)
-# Rows of one query tile (one consumer warpgroup) and keys per split granule: the Python lowering
-# sizes the split workspace and ffi/kvcache.cc picks num_splits in these units.
-TILE_M = 64
+# Packed query rows (queries x q-heads per KV head) of one tile: 64 (one consumer warpgroup) while a
+# sequence has at most 64 rows (decode, speculative decode), else 128 (two warpgroups: chunked
+# prefill at the dense kernel's efficiency). ffi/kvcache.cc picks the tile from max_seqlen_q.
+TILE_MS = (64, 128)
+TILE_M = TILE_MS[0]
+# Keys per split granule: the Python lowering sizes the split workspace and ffi/kvcache.cc picks
+# num_splits in these units.
 SPLIT_BLOCK_KEYS = 128
 # Upper bound on the CTAs an automatic split count aims for (about two waves on any GPU up to 160
 # SMs); the lowering sizes the workspace for it, the handler then picks within it.
@@ -33,6 +39,11 @@ PAGE_ROWS = 16
 # Page sizes a paged cache may have (the validation, the Flax cache and the support matrix read this):
 # multiples of PAGE_ROWS; these are the sizes tested.
 PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+def tile_m_for(rows: int) -> int:
+    """The query tile for sequences of up to `rows` packed rows (queries x q-heads per KV head)."""
+    return TILE_MS[0] if rows <= TILE_MS[0] else TILE_MS[1]
 
 
 def auto_split_capacity(batch: int, heads_kv: int, rows: int, keys: int) -> int:
@@ -53,10 +64,11 @@ class KVCacheVariant(FwdVariant):
     FAMILY_PREFIX = "fa4_kvcache"
 
     paged: bool = False
+    tile_m: int = TILE_M
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"head_dim": HEAD_DIMS}, ("paged",))
+        self.check_fields({"head_dim": HEAD_DIMS, "tile_m": TILE_MS}, ("paged",))
 
     def _symbol_parts(self):
         parts = [self.arch, self.dtype, f"hd{self.head_dim}", self.mask]
@@ -64,25 +76,30 @@ class KVCacheVariant(FwdVariant):
             parts.append("softcap")
         if self.paged:
             parts.append("paged")
+        if self.tile_m != TILE_M:
+            parts.append(f"m{self.tile_m}")
         return tuple(parts)
 
     @classmethod
     def _from_parts(cls, parts):
-        if len(parts) < 4 or any(p not in ("softcap", "paged") for p in parts[4:]):
-            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged], got {'_'.join(parts)!r}")
+        tiles = [f"m{m}" for m in TILE_MS if m != TILE_M]
+        if len(parts) < 4 or any(p not in ("softcap", "paged", *tiles) for p in parts[4:]):
+            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged][_m128], got {'_'.join(parts)!r}")
         arch, dtype, hd, mask = parts[:4]
+        tile_m = next((int(p[1:]) for p in parts[4:] if p in tiles), TILE_M)
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask,
-                   softcap="softcap" in parts[4:], paged="paged" in parts[4:])
+                   softcap="softcap" in parts[4:], paged="paged" in parts[4:], tile_m=tile_m)
 
 
 def default_menu() -> tuple[KVCacheVariant, ...]:
     return tuple(
-        KVCacheVariant("sm90", dtype, hd, mask, softcap, paged)
+        KVCacheVariant("sm90", dtype, hd, mask, softcap, paged, tile_m)
         for dtype in DTYPES
         for hd in HEAD_DIMS
         for mask in MASKS
         for softcap in (False, True)
         for paged in (False, True)
+        for tile_m in TILE_MS
     )
 
 
@@ -95,10 +112,13 @@ _PARAMS = (
     Field("float *", "lse"),
     Field("int32_t *", "page_table", "(b, max_pages) page ids; null (and max_pages 1) for a contiguous cache"),
     Field("int32_t *", "cache_seqlens", "(b,) valid keys per sequence"),
-    Field("float *", "o_accum", "(splits, b, s_q, h_q, d) per-split normalised O (workspace)"),
-    Field("float *", "lse_accum", "(splits, b, h_q, s_q) per-split LSE (workspace)"),
+    Field("int32_t *", "cu_seqlens_q", "(b + 1,) ragged: each sequence's first row in q (qb = 1); else null"),
+    Field("float *", "o_accum", "(splits, qb, s_q, h_q, d) per-split normalised O (workspace)"),
+    Field("float *", "lse_accum", "(splits, qb, h_q, s_q) per-split LSE (workspace)"),
     Field("float *", "sinks", "(h_q,) per-head logits joining the softmax denominator; -inf = none"),
-    Field("int32_t", "b"), Field("int32_t", "s_q"), Field("int32_t", "h_q"), Field("int32_t", "h_k"),
+    Field("int32_t", "b", "sequences (cache_seqlens' extent)"),
+    Field("int32_t", "qb", "q's extent 0: b, or 1 for a ragged batch (s_q = total_q)"),
+    Field("int32_t", "s_q"), Field("int32_t", "h_q"), Field("int32_t", "h_k"),
     Field("int32_t", "kv_rows", "contiguous: batch; paged: num_pages"),
     Field("int32_t", "kv_len", "contiguous: capacity; paged: page_size"),
     Field("int32_t", "max_pages"),
@@ -112,55 +132,63 @@ _PARAMS = (
     Field("int32_t", "window_left", "clamped like the dense family's"),
     Field("int32_t", "window_right"),
     Field("int32_t", "num_splits", "KV splits of this call, 1 <= num_splits <= splits_cap"),
+    Field("int32_t", "ragged", "1: rows from cu_seqlens_q (rows past cu_seqlens_q[b] get o = 0); 0: s_q per sequence"),
+    Field("int32_t", "max_seqlen_q", "bounds every sequence's queries (s_q when not ragged): the grid's m-blocks"),
 )
 
 CALL = CallSignature(
     operands=(
-        Buffer("q", "input", ("b", "s_q", "h_q", "d")),
+        Buffer("q", "input", ("qb", "s_q", "h_q", "d"), "(b, s_q, h_q, d), or ragged (1, total_q, h_q, d)"),
         Buffer("k_cache", "input", ("kv_rows", "kv_len", "h_k", "d"),
                "contiguous (b, capacity, h_k, d) or paged (num_pages, page_size, h_k, d)", param="k"),
         Buffer("v_cache", "input", ("kv_rows", "kv_len", "h_k", "d"), "k_cache's shape", param="v"),
         Buffer("cache_seqlens", "i32", ("b",), "valid keys per sequence (clamped to [0, capacity])"),
         Buffer("page_table", "i32", ("b", "max_pages"), "page ids (clamped to the pool); absent = contiguous",
                optional=True),
+        Buffer("cu_seqlens_q", "i32", ("b1",), "(b + 1,) ragged row offsets into q; absent = s_q rows each",
+               optional=True),
         SINKS,
     ),
     results=(
-        Buffer("o", "input", ("b", "s_q", "h_q", "d")),
-        Buffer("lse", "f32", ("b", "h_q", "s_q")),
-        Buffer("o_accum", "f32", ("splits", "b", "s_q", "h_q", "d"), "per-split normalised O", workspace=True),
-        Buffer("lse_accum", "f32", ("splits", "b", "h_q", "s_q"), "per-split LSE", workspace=True),
+        Buffer("o", "input", ("qb", "s_q", "h_q", "d")),
+        Buffer("lse", "f32", ("qb", "h_q", "s_q")),
+        Buffer("o_accum", "f32", ("splits", "qb", "s_q", "h_q", "d"), "per-split normalised O", workspace=True),
+        Buffer("lse_accum", "f32", ("splits", "qb", "h_q", "s_q"), "per-split LSE", workspace=True),
     ),
     attrs=SOFTMAX_ATTRS + (
         Attr("num_splits", "i32", "0 = the handler picks from the SM count; else 1..splits (the workspace)"),
+        Attr("max_seqlen_q", "i32", "ragged: bounds every sequence's queries, 0 = total_q; else ignored (s_q)"),
+        Attr("tile_m", "i32", "packed query rows per tile, one of TILE_MS (tile_m_for): picks the variant"),
     ),
-    constants=(("tile_m", TILE_M), ("split_block_keys", SPLIT_BLOCK_KEYS), ("page_rows", PAGE_ROWS),
+    constants=(("tile_m", TILE_M), ("tile_m_wide", TILE_MS[1]), ("split_block_keys", SPLIT_BLOCK_KEYS), ("page_rows", PAGE_ROWS),
                ("max_splits", MAX_SPLITS)),
 )
 
 KVCACHE = KernelFamily(
     name="kvcache",
     # v2: page_table optional (has_page_table), no `paged` attribute (v1 sent a dummy table and `paged`).
-    target="fa4_jax_kvcache_v2",
+    # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q; q's extent 0 may differ from b).
+    target="fa4_jax_kvcache_v3",
     variant=KVCacheVariant,
     params=_PARAMS,
     tensors=(
-        _strided("mQ", "q", ("p.b", "p.s_q", "p.h_q"), "q_stride", 3),
+        _strided("mQ", "q", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
         _strided("mK", "k", ("p.kv_rows", "p.kv_len", "p.h_k"), "kv_stride", 3),
         _strided("mV", "v", ("p.kv_rows", "p.kv_len", "p.h_k"), "kv_stride", 3),
         TensorArg("mPageTable", "p.page_table", ("p.b", "p.max_pages"), ("p.max_pages",)),
         TensorArg("mSeqlensK", "p.cache_seqlens", ("p.b",), ("1",)),
-        _strided("mO", "o", ("p.b", "p.s_q", "p.h_q"), "q_stride", 3),
-        TensorArg("mLSE", "p.lse", ("p.b", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
-        TensorArg("mOaccum", "p.o_accum", ("p.splits_cap", "p.b", "p.s_q", "p.h_q"),
+        TensorArg("mCuSeqlensQ", "p.cu_seqlens_q", ("p.b + 1",), ("1",)),
+        _strided("mO", "o", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
+        TensorArg("mLSE", "p.lse", ("p.qb", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
+        TensorArg("mOaccum", "p.o_accum", ("p.splits_cap", "p.qb", "p.s_q", "p.h_q"),
                   tuple(f"p.o_accum_stride[{i}]" for i in range(4))),
-        TensorArg("mLSEaccum", "p.lse_accum", ("p.splits_cap", "p.b", "p.h_q", "p.s_q"),
+        TensorArg("mLSEaccum", "p.lse_accum", ("p.splits_cap", "p.qb", "p.h_q", "p.s_q"),
                   tuple(f"p.lse_accum_stride[{i}]" for i in range(3))),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
     scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
-                              "num_splits"),
-    key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal),),
+                              "num_splits", "ragged", "max_seqlen_q"),
+    key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal)),
     enums={"Mask": MASKS},
     call=CALL,
     handler="ffi/kvcache.cc",
