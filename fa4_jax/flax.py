@@ -33,7 +33,7 @@ except ModuleNotFoundError as e:  # only a missing flax; a broken install report
 
 import fa4_jax
 from fa4_jax.core.implementation import Implementation
-from fa4_jax.core.validation import KERNEL_DTYPES, PAGE_SIZES, check_options
+from fa4_jax.core.validation import KERNEL_DTYPES, check_options
 from fa4_jax.families import HEAD_DIMS
 
 __all__ = ["FA4Attention", "dot_product_attention", "rotary_embedding"]
@@ -271,7 +271,7 @@ class FA4Attention(nnx.Module):
         """Creates an empty KV cache (replacing any earlier one) as nnx.Cache variables.
 
         Contiguous: `cached_key` / `cached_value` (batch_size, max_length, num_kv_heads, head_dim).
-        Paged (page_size given, one of 16, 32, 64, 128, 256): a page pool (num_pages, page_size,
+        Paged (page_size given, any int >= 1): a page pool (num_pages, page_size,
         num_kv_heads, head_dim) and `page_table` int32 (batch_size, ceil(max_length / page_size)), by
         default row b owning pages [b * max_pages, (b + 1) * max_pages); num_pages defaults to
         batch_size * max_pages. Rows may share pages (a common prefix) as long as no two rows write them.
@@ -293,8 +293,8 @@ class FA4Attention(nnx.Module):
                 raise ValueError("page_table / num_pages describe a paged cache: pass page_size too")
             shape, table = (batch_size, max_length, *tail), None
         else:
-            if page_size not in PAGE_SIZES:
-                raise ValueError(f"page_size must be one of {PAGE_SIZES}; got {page_size}")
+            if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+                raise ValueError(f"page_size must be an int >= 1 (tokens per page); got {page_size!r}")
             max_pages = -(-max_length // page_size)
             num_pages = batch_size * max_pages if num_pages is None else num_pages
             if page_table is None:

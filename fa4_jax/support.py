@@ -89,12 +89,17 @@ class EntryPoint:
         return (("mask", tuple(WINDOWS)), ("seqlens", tuple(t for t, _, _ in self.seqlens)),
                 ("softcap", (False, True)), ("sinks", (False, True)), ("return_lse", (False, True)))
 
-    def variant(self, arch: str, dtype: str, head_dim: int, mask: str, softcap: bool):
+    def variant(self, arch: str, dtype: str, head_dim: int, mask: str, softcap: bool, seqlens: str | None = None,
+                page_size: int | None = None):
         """The kernel this call needs on `arch`, or None when the family has no such kernel (e.g. a
         head_dim outside the family's HEAD_DIMS)."""
+        fields = dict(self.entry.fixed)
+        if self.entry.shape_fields is not None:
+            s_q = next(q for title, q, _ in self.seqlens if title == seqlens)
+            fields.update(self.entry.shape_fields(seqlen_q=s_q, page_size=page_size))
         try:
             return self.family.variant(arch=arch, dtype=dtype, head_dim=head_dim, mask=mask_kind(*WINDOWS[mask]),
-                                       softcap=softcap, **dict(self.entry.fixed))
+                                       softcap=softcap, **fields)
         except ValueError:
             return None
 
@@ -145,8 +150,8 @@ def support_matrix() -> list[dict]:
                 shapes, itertools.product(*(values for _, values in ep.features))):
             call = dict(zip((a for a, _ in ep.features), features))
             for device in DEVICES:
-                variant = ep.variant(device.key, dtype, head_dim, call["mask"], call["softcap"]) \
-                    if device.key in ARCH_CC else None
+                variant = ep.variant(device.key, dtype, head_dim, call["mask"], call["softcap"], call["seqlens"],
+                                     page_size) if device.key in ARCH_CC else None
                 variant = variant if variant in menu else None
                 runs = KERNEL if variant is not None else _fallback(
                     ep, device, dtype, head_dim, call["mask"], call["seqlens"], call["softcap"], call["sinks"])

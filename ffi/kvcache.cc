@@ -81,9 +81,12 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
     if (pd[0] != b) return Invalid("page_table must be (batch, max_pages); got " + DimsText(pd));
     max_pages = pd[1];
     if (max_pages < 1) return Invalid("page_table must have at least one page per sequence");
-    if (kv_len < kPageRows || kv_len % kPageRows != 0)
-      return Invalid("page_size (k_cache.shape[1]) must be a positive multiple of " + std::to_string(kPageRows) +
-                     "; got " + std::to_string(kv_len));
+    // TMA pieces of page_rows rows: 16 when the page size is a multiple of 16, else 1 (any size).
+    if (c.page_rows != kPageRows && c.page_rows != 1)
+      return Invalid("page_rows must be " + std::to_string(kPageRows) + " or 1; got " + std::to_string(c.page_rows));
+    if (kv_len < 1 || kv_len % c.page_rows != 0)
+      return Invalid("page_size (k_cache.shape[1]) must be a positive multiple of page_rows (" +
+                     std::to_string(c.page_rows) + "); got " + std::to_string(kv_len));
     capacity = kv_len * max_pages;
   } else if (kv_rows != b) {
     return Invalid("a contiguous cache must be (batch, capacity, heads_kv, head_dim); got " + DimsText(kd));
@@ -123,7 +126,8 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
 
   DeviceInfo dev;
   const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
-  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged, tile_m}, dev, r);
+  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged, tile_m, paged ? c.page_rows : kPageRows},
+                  dev, r);
       err.failure())
     return err;
 

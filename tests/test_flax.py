@@ -432,7 +432,7 @@ def test_reset_cache():
     (lambda: make_layer(causal=True, window_size=(4, 3)), ValueError, "causal=True means window_size"),
     (lambda: make_layer(causal=True, window_size=(4, 1)), ValueError, r"causal=True means window_size.*\(4, 1\)"),
     (lambda: make_layer().init_cache(4, 64, page_size=16, num_pages=10), ValueError, "num_pages=10 is too few"),
-    (lambda: make_layer().init_cache(2, 64, page_size=24), ValueError, "page_size must be one of"),
+    (lambda: make_layer().init_cache(2, 64, page_size=0), ValueError, r"page_size must be an int >= 1"),
     (lambda: make_layer().init_cache(2, 64, page_size=16, num_pages=8, page_table=np.full((2, 4), 8)), ValueError,
      r"page_table ids must lie in \[0, num_pages=8\)"),
     (lambda: make_layer(dtype=None).init_cache(2, 64), ValueError, "init_cache needs dtype=jnp.bfloat16"),

@@ -18,6 +18,7 @@ import pytest
 import fa4_jax
 from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import KVCacheVariant, mask_kind
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 from gpu_menu import require_variant
 from oracle import OPTION_CASES, attention_oracle, make_sinks
 
@@ -80,12 +81,14 @@ def built(kernel_variants):
     return kernel_variants
 
 
-def _require(built, dtype, hd, opts, paged):
+def _require(built, dtype, hd, opts, paged, page_size=None, rows=1):
+    """The variant the call needs: `rows` = seqlen_q x q-heads per KV head picks the query tile."""
     left, right = opts.get("window_size", (-1, -1))
     if opts.get("causal"):
         right = 0 if right < 0 else right
     require_variant(built, KVCacheVariant("sm90", dtype, hd, mask_kind(left, right), opts.get("softcap", 0.0) > 0,
-                                          paged))
+                                          paged, tile_m_for(rows),
+                                          page_rows_for(page_size) if paged and page_size else PAGE_ROWS))
 
 
 def _oracle(q, kc, vc, lens, table, opts):
@@ -127,7 +130,7 @@ def check_kv_call(q, kc, vc, lens, table=None, sinks=None, *, opts, num_splits=N
 def run_kv_case(built, *, b, s_q, h_q, h_k, lens, capacity, opts=None, dtype="bf16", hd=128, page_size=None,
                 num_splits=None, seed=0):
     opts = dict(opts or {})
-    _require(built, dtype, hd, opts, page_size is not None)
+    _require(built, dtype, hd, opts, page_size is not None, page_size, s_q * (h_q // h_k))
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     lens = np.asarray(lens, np.int32)
@@ -175,7 +178,7 @@ def test_kvcache_decode_splits(built, num_splits):
 
 @pytest.mark.parametrize("num_splits", [1, None, 5])
 @pytest.mark.parametrize("case", ["plain", "everything"])
-@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 5, 16, 32, 48, 64, 128, 256])
 def test_kvcache_paged(built, page_size, case, num_splits):
     # Shuffled pages, one page shared by two sequences, lengths not multiples of the page.
     run_kv_case(built, b=3, s_q=2, h_q=8, h_k=2, lens=[page_size * 3 + 5, 1, 700], capacity=768,
@@ -245,7 +248,7 @@ def test_kvcache_ffi_rejects_num_splits_over_workspace(built):
     kc = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
     operands = dict(q=q, k_cache=kc, v_cache=kc, cache_seqlens=jnp.array([10], jnp.int32))
     attrs = dict(softmax_scale=0.1, softcap=0.0, window_left=-1, window_right=-1, num_splits=3, max_seqlen_q=0,
-                 tile_m=64)
+                 tile_m=64, page_rows=16)
     # The family's own FFI call with a workspace of 2 splits, asked for 3 (the API never does this).
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"num_splits must be 0 \(auto\) or in \[1, 2\] \(the workspace's extent\); got 3"):

@@ -1,7 +1,7 @@
 """A ragged batch against a KV cache (attention_with_kvcache with cu_seqlens_q) on the GPU
-(`@pytest.mark.gpu`): one KV-cache kernel launch over the cache in place (contiguous, or pages that are
-multiples of 16), 64- or 128-row query tiles, split-KV; pages of other sizes (1) are gathered and run
-on the varlen kernel. Checked with the accuracy rule of tests/accuracy.py against the XLA path and the
+(`@pytest.mark.gpu`): one KV-cache kernel launch over the cache in place (contiguous, or paged at any
+page size: 16-row TMA pieces for multiples of 16, one-row pieces otherwise), 64- or 128-row query
+tiles, split-KV. Checked with the accuracy rule of tests/accuracy.py against the XLA path and the
 fp32 oracle per sequence, with NaN poison past every length and in every page no sequence owns, and
 rows past cu_seqlens_q[-1] (o = 0, lse = -inf or the sink)."""
 
@@ -14,12 +14,12 @@ import pytest
 
 import fa4_jax
 from accuracy import check_against_reference
-from fa4_jax.families import KVCacheVariant, VarlenVariant, mask_kind
-from fa4_jax.ops.kvcache.spec import PAGE_SIZES, tile_m_for
+from fa4_jax.families import KVCacheVariant, mask_kind
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 from gpu_menu import require_variant
 from oracle import OPTION_CASES, attention_oracle
 
-pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("kvcache", "varlen")]
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("kvcache")]
 
 # A mixed step: a prefill chunk, decodes, an empty row, an odd chunk, a short chunk.
 MIXED = ((700, 1, 300, 0, 129, 64), (512, 1, 1, 0, 129, 3))
@@ -41,13 +41,14 @@ def _case(seed, page_size, lens_counts=MIXED):
     if page_size is None:
         k, v, table = dense[0], dense[1], None
     else:
-        max_pages = CAP // page_size
+        max_pages = -(-CAP // page_size)  # the last page may run past CAP: NaN there
         num_pages = b * max_pages + 5
         table = np.random.default_rng(seed + 1).permutation(num_pages)[:b * max_pages].astype(np.int32)
         table = table.reshape(b, max_pages)
         k, v = (np.full((num_pages, page_size, H_K, HD), np.nan, np.float32) for _ in range(2))
+        pad = ((0, 0), (0, max_pages * page_size - CAP), (0, 0), (0, 0))
         for x, d in ((k, dense[0]), (v, dense[1])):
-            x[table] = d.reshape(b, max_pages, page_size, H_K, HD)
+            x[table] = np.pad(d, pad, constant_values=np.nan).reshape(b, max_pages, page_size, H_K, HD)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     return bf(q), bf(k), bf(v), jnp.asarray(np.array(LENS, np.int32)), jnp.asarray(cu), table, dense
 
@@ -56,15 +57,13 @@ def _variant(page_size, opts, max_rows):
     left, right = opts.get("window_size", (-1, -1))
     mask = mask_kind(left, 0 if opts.get("causal") else right)
     softcap = opts.get("softcap", 0.0) > 0
-    if page_size is not None and page_size not in PAGE_SIZES:
-        return VarlenVariant("sm90", "bf16", HD, mask, softcap)
     return KVCacheVariant("sm90", "bf16", HD, mask, softcap, page_size is not None,
-                          tile_m_for(max_rows * (H_Q // H_K)))
+                          tile_m_for(max_rows * (H_Q // H_K)), page_rows_for(page_size) if page_size else PAGE_ROWS)
 
 
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["auto_splits", "splits3"])
 @pytest.mark.parametrize("options", ["causal", "everything"])
-@pytest.mark.parametrize("page_size", [None, 1, 16, 64], ids=["contiguous", "page1", "page16", "page64"])
+@pytest.mark.parametrize("page_size", [None, 1, 5, 16, 48], ids=["contiguous", "page1", "page5", "page16", "page48"])
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
 def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options, num_splits):
     opts = dict(OPTION_CASES[options])
@@ -74,7 +73,7 @@ def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options
     q, k, v, lens, cu, table, dense = _case(130 + (page_size or 0), page_size, lens_counts)
     require_variant(kernel_variants, _variant(page_size, opts, q.shape[0] if hint is None else hint))
     table = None if table is None else jnp.asarray(table)
-    splits = num_splits if page_size in (None, *PAGE_SIZES) else None  # (the varlen path has no splits)
+    splits = num_splits
 
     def run(implementation):
         fn = jax.jit(lambda *a: fa4_jax.attention_with_kvcache(

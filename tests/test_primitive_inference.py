@@ -91,7 +91,7 @@ def kv_bind(q, k, v, seqlens, page_table=None, sinks=None, *, softmax_scale=0.12
     operands = tuple(x for x in (q, k, v, seqlens, page_table, sinks) if x is not None)
     return tuple(fa4_kvcache_p.bind(*operands, softmax_scale=softmax_scale, window_left=window_left,
                                     window_right=window_right, softcap=softcap, has_sinks=sinks is not None,
-                                    paged=page_table is not None, ragged=False, max_seqlen_q=0, tile_m=64,
+                                    paged=page_table is not None, ragged=False, max_seqlen_q=0, tile_m=64, page_rows=16,
                                     num_splits=num_splits, implementation=implementation))
 
 
@@ -192,7 +192,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
 
     # Typed-FFI attributes with the types ffi/kvcache.cc decodes.
     for attribute in (f"num_splits = {num_splits} : i32", f"has_page_table = {'true' if paged else 'false'}",
-                      "has_cu_seqlens_q = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32",
+                      "has_cu_seqlens_q = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32", "page_rows = 16 : i32",
                       "softmax_scale = 6.250000e-02 : f32", "softcap = 3.000000e+01 : f32",
                       "window_left = 100 : i32", "window_right = 0 : i32"):
         assert attribute in line, f"{attribute=} missing from {line}"
@@ -711,7 +711,8 @@ _BAD_BINDS = {
                  ValueError, r"page_table"),
     "kv_count": (lambda: fa4_kvcache_p.bind(*kv_specs()[:3], softmax_scale=0.1, window_left=-1, window_right=-1,
                                             softcap=0.0, has_sinks=False, paged=False, ragged=False,
-                                            max_seqlen_q=0, tile_m=64, num_splits=0, implementation="xla"),
+                                            max_seqlen_q=0, tile_m=64, page_rows=16, num_splits=0,
+                                            implementation="xla"),
                  ValueError, r"fa4_kvcache takes 4 operands with these params"),
     "varlen_offsets": (lambda: vl_bind(jax.ShapeDtypeStruct((10, 4, 64), jnp.bfloat16),
                                            *[jax.ShapeDtypeStruct((12, 2, 64), jnp.bfloat16)] * 2,

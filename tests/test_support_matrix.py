@@ -21,6 +21,7 @@ import fa4_jax
 from fa4_jax import families, support
 from fa4_jax.core import cudnn, platform as _platform, validation as _validation
 from fa4_jax.export import export_safety_checks, ffi_targets
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS_CHOICES, page_rows_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -64,10 +65,11 @@ def test_importing_needs_no_jax_and_building_no_cutlass():
 
 
 def test_accepted_inputs_are_the_apis():
-    assert support.PAGE_SIZES == _validation.PAGE_SIZES
     assert tuple(_validation.dtype_tag(d) for d in _validation.KERNEL_DTYPES) == families.DTYPES
     assert {c["head_dim"] for c in CELLS} == set(families.HEAD_DIMS)  # what _validation accepts
-    assert {c["page_size"] for c in CELLS} == {None, *_validation.PAGE_SIZES}
+    # Any page size >= 1 is accepted: the matrix lists the tested ones, both kinds of page pieces.
+    assert {c["page_size"] for c in CELLS} == {None, *support.PAGE_SIZES}
+    assert {page_rows_for(p) for p in support.PAGE_SIZES} == set(PAGE_ROWS_CHOICES)
     assert {e.cudnn_entry for e in support.ENTRY_POINTS} == set(cudnn.ENTRIES)
 
 

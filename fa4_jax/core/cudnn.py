@@ -284,9 +284,9 @@ def _attention(q, k, v, *sinks, softmax_scale, window_left, window_right, softca
 
 
 def _kvcache(q, k, v, seqlens, *rest, softmax_scale, window_left, window_right, softcap, has_sinks, paged,
-             ragged, max_seqlen_q, tile_m, num_splits, implementation):
+             ragged, max_seqlen_q, tile_m, page_rows, num_splits, implementation):
     # contiguous, not ragged, no sinks (cudnn_reason)
-    del rest, softcap, has_sinks, paged, ragged, max_seqlen_q, tile_m, num_splits, implementation
+    del rest, softcap, has_sinks, paged, ragged, max_seqlen_q, tile_m, page_rows, num_splits, implementation
     b, s_q = q.shape[:2]
     mask, window = mask_spec(KVCACHE, s_q, k.shape[1], (window_left, window_right))
     kv_len = jnp.clip(seqlens, 0, k.shape[1]).astype(jnp.int32)

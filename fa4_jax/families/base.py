@@ -208,12 +208,14 @@ class PublicEntry:
     (or one cache layout of it), its name in fa4_jax.core.cudnn ("" = no cuDNN mapping), the kinds of
     sequence lengths that matter to cuDNN's mask mapping as (title, seqlen_q, seqlen_k or cache
     capacity) with small representative values, and the variant fields this row fixes (e.g.
-    (("paged", True),))."""
+    (("paged", True),)). `shape_fields(seqlen_q, page_size)`, where a variant field follows the
+    call's shape (e.g. the KV-cache kernel's query tile and page pieces), gives those fields."""
 
     name: str
     cudnn_entry: str
     seqlens: tuple[tuple[str, int, int], ...]
     fixed: tuple[tuple[str, Any], ...] = ()
+    shape_fields: Callable[..., dict] | None = None
 
 
 @dataclass(frozen=True)

@@ -89,16 +89,26 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-def kvcache_config(head_dim: int, tile_m: int = 64) -> Sm90FwdConfig:
+def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False) -> Sm90FwdConfig:
     """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
     warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
     is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
     decode is bound by HBM bandwidth: each SM needs ~64 KB of loads in flight to draw its share of
-    4.3 TB/s."""
+    4.3 TB/s. `gather` (one-row pages: the producer warpgroup copies K/V rows with cp.async) keeps
+    the producer's 24 registers: setmaxnreg only moves registers within the CTA's launch
+    allocation, which 2 x 240 + 24 per thread-slot fills at tile_m 128; a larger producer budget
+    (32, and 128 at tile_m 64) hung on the H200, as consumers wait for registers to raise to 240."""
+    del gather
     tile_n = 128 if head_dim <= 128 else 64
+    producer_regs = 24
+
+    # Two warpgroups take turns issuing their gemms (as the dense kernel does at hd <= 128), so that one's
+    # softmax runs under the other's gemms: a chunk is compute-bound.
+    pingpong = tile_m == 128 and head_dim <= 128
 
     def config(stages: int) -> Sm90FwdConfig:
-        return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, 240, 24, head_dim > 128, False, o_staging=False)
+        return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, 240, producer_regs, head_dim > 128, pingpong,
+                             o_staging=False)
 
     stages = 2
     while stages < 4:

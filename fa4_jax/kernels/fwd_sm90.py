@@ -37,7 +37,8 @@ What the seams change (seams.py lists them):
 - KV cache (decode): pack-GQA tiles are (m_block, kv head, batch, split) whose TILE_M rows are the
   (query, q-head) pairs of the q-heads sharing the KV head, so each K/V block is read once per group.
   seqlen_k = cache_seqlens[b] clamped to the capacity; K/V come from a contiguous cache or, paged,
-  in PAGE_ROWS-row TMA pieces from the pages the page table names (ids clamped into the pool).
+  in page_rows-row TMA pieces (16, or 1 for other page sizes) from the pages the page table names
+  (ids clamped into the pool).
   Split-KV divides a tile's key blocks over num_splits CTAs; the combine kernel merges the partials.
 - Keys past a sequence's end that a K/V block still covers (varlen, KV cache) are masked to -inf,
   but the tensor core computes 0 * NaN = NaN, so their V rows are zeroed in shared memory before the
@@ -64,7 +65,8 @@ from fa4_jax.kernels import epilogue_sm90 as epi
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config import Sm90FwdConfig
-from fa4_jax.kernels.loaders_sm90 import PAGE_ROWS, KVLoader, gather_packed_q, sequence_rows, tma_tile_copy
+from fa4_jax.kernels.loaders_sm90 import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
+from fa4_jax.kernels.loaders_sm90 import tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
@@ -80,18 +82,24 @@ _LOG2E = 1.4426950408889634
 class FlashAttentionForwardSm90:
     """One compiled instance per variant; `__init__` holds compile-time configuration only."""
 
-    def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None):
+    def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None,
+                 page_rows: int = PAGE_ROWS):
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
         self.seams = FwdSeams.dense() if seams is None else seams
-        if self.seams.q_load is QLoad.PACKED_GQA and (
-                cfg.num_consumer_wg > 2 or cfg.warpgroup_pingpong or cfg.separate_o):
-            # The row gather and the per-row stores are written for one or two warpgroups that run
-            # in lockstep (no ping-pong) and store O from registers.
-            raise ValueError("pack-GQA tiles use one or two consumer warpgroups, no ping-pong, no O staging")
-        if self.seams.kv_load is KVLoad.PAGED and cfg.tile_n % PAGE_ROWS:
-            raise ValueError(f"paged tiles need tile_n % {PAGE_ROWS} == 0: {cfg.tile_n=}")
+        self.page_rows = page_rows  # paged K/V: rows per piece (loaders_sm90.PAGE_ROWS_CHOICES)
+        # One-row pieces: the producer warpgroup gathers K/V rows with cp.async (KVLoader), since one
+        # TMA box per 256-byte row is issue-bound (measured: 0.5 TB/s at page size 1).
+        self.kv_gather = self.seams.kv_load is KVLoad.PAGED and page_rows == 1
+        if self.seams.q_load is QLoad.PACKED_GQA and (cfg.num_consumer_wg > 2 or cfg.separate_o):
+            # The row gather and the per-row stores are written for one or two warpgroups that store
+            # O from registers.
+            raise ValueError("pack-GQA tiles use one or two consumer warpgroups and no O staging")
+        if page_rows not in PAGE_ROWS_CHOICES:
+            raise ValueError(f"page_rows must be one of {PAGE_ROWS_CHOICES}; got {page_rows}")
+        if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
+            raise ValueError(f"paged tiles need tile_n % {page_rows} == 0 and tile_n % 32 == 0: {cfg.tile_n=}")
 
     # ------------------------------------------------------------------------------------------
     # Host side: one entry per family's C ABI (fa4_jax/ops/<family>/spec.py), then one launch.
@@ -230,13 +238,15 @@ class FlashAttentionForwardSm90:
             tma_atom_Q, mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
             self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
-        # A paged block is tile_n / PAGE_ROWS TMA pieces, each into its rows of the stage's tile.
-        paged = seams.kv_load is KVLoad.PAGED
-        box_rows = PAGE_ROWS if const_expr(paged) else cfg.tile_n
-        kv_box = cute.composition(kv_tile, (box_rows, cfg.head_dim)) if const_expr(paged) else kv_tile
-        tma_atom_K, mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_box, (box_rows, cfg.head_dim), 1)
-        tma_atom_V, mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_box, (box_rows, cfg.head_dim), 1)
         self.kv_bytes = cute.size_in_bytes(dtype, kv_tile)
+        tma_atom_K = tma_atom_V = None  # kv_gather: cp.async from the tensors themselves
+        if const_expr(not self.kv_gather):
+            # A paged block is tile_n / page_rows TMA pieces, each into its rows of the stage's tile.
+            paged = seams.kv_load is KVLoad.PAGED
+            box_rows = self.page_rows if const_expr(paged) else cfg.tile_n
+            kv_box = cute.composition(kv_tile, (box_rows, cfg.head_dim)) if const_expr(paged) else kv_tile
+            tma_atom_K, mK = cpasync.make_tiled_tma_atom(load_op, mK, kv_box, (box_rows, cfg.head_dim), 1)
+            tma_atom_V, mV = cpasync.make_tiled_tma_atom(load_op, mV, kv_box, (box_rows, cfg.head_dim), 1)
         sO_size = 0
         if const_expr(seams.epilogue is Epilogue.TMA_STORE):
             # O has Q's smem layout (its own buffer when cfg.separate_o, else Q's); the TMA unit
@@ -312,13 +322,26 @@ class FlashAttentionForwardSm90:
                 barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
                 consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
             )
-        pipe_k, pipe_v = (
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+        if const_expr(self.kv_gather):
+            # Every producer thread's cp.async copies arrive on the full barrier (noinc) when they land;
+            # every consumer thread releases a stage.
+            pipe_k, pipe_v = (
+                pipeline.PipelineCpAsync.create(
+                    barrier_storage=mbar.data_ptr(), num_stages=cfg.stages,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * cfg.num_consumer_wg),
+                    defer_sync=True,
+                )
+                for mbar in (storage.mbar_k, storage.mbar_v)
             )
-            for mbar in (storage.mbar_k, storage.mbar_v)
-        )
+        else:
+            pipe_k, pipe_v = (
+                pipeline.PipelineTmaAsync.create(
+                    barrier_storage=mbar.data_ptr(), num_stages=cfg.stages, producer_group=producer,
+                    consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+                )
+                for mbar in (storage.mbar_k, storage.mbar_v)
+            )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         return pipe_q, pipe_k, pipe_v
@@ -346,8 +369,11 @@ class FlashAttentionForwardSm90:
         during the previous tile's last blocks, while Q's buffer frees only after that tile's last
         QK gemm. copy_k / copy_v(n_block, stage, barrier), copy_q(barrier) issue the copies.
         Returns the advanced (state, q_state)."""
+        # producer_commit: a no-op for TMA (the copies complete the barrier's transaction bytes); the
+        # cp.async gather's arrive on the full barrier once the thread's copies have landed.
         pipe_k.producer_acquire(state)
         copy_k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state))
+        pipe_k.producer_commit(state)
         if const_expr(copy_q is not None):
             pipe_q.producer_acquire(q_state)
             copy_q(pipe_q.producer_get_barrier(q_state))
@@ -358,10 +384,13 @@ class FlashAttentionForwardSm90:
             state.advance()
             pipe_k.producer_acquire(state)
             copy_k(n_prev - 1, state.index, pipe_k.producer_get_barrier(state))
+            pipe_k.producer_commit(state)
             pipe_v.producer_acquire(prev)
             copy_v(n_prev, prev.index, pipe_v.producer_get_barrier(prev))
+            pipe_v.producer_commit(prev)
         pipe_v.producer_acquire(state)
         copy_v(n_block_min, state.index, pipe_v.producer_get_barrier(state))
+        pipe_v.producer_commit(state)
         state.advance()
         return state, q_state
 
@@ -385,8 +414,8 @@ class FlashAttentionForwardSm90:
         mSequsedK: Optional[cute.Tensor],
         mSinks: cute.Tensor,
         tma_atom_Q: Optional[cute.CopyAtom],
-        tma_atom_K: cute.CopyAtom,
-        tma_atom_V: cute.CopyAtom,
+        tma_atom_K: Optional[cute.CopyAtom],  # None: K/V gathered by cp.async (kv_gather)
+        tma_atom_V: Optional[cute.CopyAtom],
         tma_atom_O: Optional[cute.CopyAtom],
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
@@ -423,7 +452,10 @@ class FlashAttentionForwardSm90:
                                                     num_m_blocks, ragged)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            if warp_idx == 0:
+            if const_expr(self.kv_gather):  # the whole producer warpgroup gathers K/V rows
+                self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
+            elif warp_idx == 0:
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
         else:
@@ -493,6 +525,9 @@ class FlashAttentionForwardSm90:
                                                 tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
                                                 problem, heads_per_kv, kv_len)
             tile_idx = scheduler.next(tile_idx)
+        if const_expr(self.kv_gather):
+            # This thread's last copies must land before it exits (their barrier arrives are pending).
+            cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def load_tile(self, mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
@@ -510,7 +545,8 @@ class FlashAttentionForwardSm90:
         if has_work:
             head_kv = work.head // heads_per_kv
             kv = KVLoader.create(cfg, self.seams.kv_load is KVLoad.PAGED, mK, mV, mPageTable, sK, sV, tma_atom_K,
-                                 tma_atom_V, head_kv, work.batch, seqlen.offset_k, varlen, kv_len)
+                                 tma_atom_V, head_kv, work.batch, seqlen.offset_k, varlen, kv_len, self.page_rows,
+                                 cute.arch.thread_idx()[0] % 128)
             if const_expr(self.seams.q_load is QLoad.TMA):
                 gQ = cute.local_tile(sequence_rows(mQ, work.head, work.batch, seqlen.offset_q, varlen),
                                      (cfg.tile_m, cfg.head_dim), (work.m_block, 0))
@@ -639,7 +675,7 @@ class FlashAttentionForwardSm90:
 
         # First block (highest index): S only; its PV gemm is issued in the next step.
         n_block = n_block_max - 1
-        pipe_k.consumer_wait(state)
+        self._kv_wait(pipe_k, state)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=0)
         pipe_k.consumer_release(state)
@@ -654,7 +690,7 @@ class FlashAttentionForwardSm90:
             # whose sequence ends inside the block pay anything beyond a compare.
             keys_in_block = blocks.seqlen.seqlen_k - n_block * cfg.tile_n
             if keys_in_block < cfg.tile_n:
-                pipe_v.consumer_wait(state)
+                self._kv_wait(pipe_v, state)
                 self.clear_v_rows(sV, state.index, keys_in_block, tidx, wg)
 
         step = partial(self.step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
@@ -686,7 +722,7 @@ class FlashAttentionForwardSm90:
         # Last PV gemm, for the lowest block.
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
-        pipe_v.consumer_wait(state)
+        self._kv_wait(pipe_v, state)
         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wait=0)
         pipe_v.consumer_release(state)
         state.advance()
@@ -701,13 +737,13 @@ class FlashAttentionForwardSm90:
         cfg = self.cfg
         v_state = state.clone()
         state.advance()
-        pipe_k.consumer_wait(state)
+        self._kv_wait(pipe_k, state)
         self._pingpong_wait(wg)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=-1)
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
-        pipe_v.consumer_wait(v_state)
+        self._kv_wait(pipe_v, v_state)
         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], wait=-1)
         self._pingpong_signal(wg)
         warpgroup.wait_group(1)  # S_j ready; PV still running
@@ -753,6 +789,14 @@ class FlashAttentionForwardSm90:
                     cute.copy(atom, zeros, tVsV[None, m, k])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(wg), number_of_threads=128)
+
+    @cute.jit
+    def _kv_wait(self, pipe, state):
+        """Wait for a K/V stage. Rows gathered by cp.async are generic-proxy writes: each consumer
+        thread fences them into the async proxy that its wgmma reads shared memory through."""
+        pipe.consumer_wait(state)
+        if const_expr(self.kv_gather):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _pingpong_wait(self, wg):

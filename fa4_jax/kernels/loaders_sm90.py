@@ -12,8 +12,11 @@ from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 
-# Rows of one paged TMA piece: the smallest supported page size (fa4_jax.core.validation.PAGE_SIZES).
+# Rows of one paged piece: 16 for page sizes that are multiples of 16 (one TMA box each, 8 per
+# 128-key block), else 1 (any page size, e.g. 1): rows gathered with 16-byte cp.async by the 128
+# threads of the producer warpgroup (one TMA box per row would be issue-bound).
 PAGE_ROWS = 16
+PAGE_ROWS_CHOICES = (16, 1)
 
 
 def sequence_rows(mX: cute.Tensor, head, batch, offset, varlen: bool) -> cute.Tensor:
@@ -32,13 +35,15 @@ def tma_tile_copy(atom, g_tiles: cute.Tensor, s_tiles: cute.Tensor):
 
 @dataclass(frozen=True)
 class KVLoader:
-    """TMA copies of one tile's K/V blocks into pipeline stages: one box per block from contiguous
-    rows, tile_n / PAGE_ROWS boxes (one per page piece) from a paged cache. `k` and `v` have the
-    (n_block, stage, barrier) signature of FlashAttentionForwardSm90.load_blocks."""
+    """Copies of one tile's K/V blocks into pipeline stages: one TMA box per block from contiguous
+    rows, tile_n / 16 boxes (one per 16-row page piece) from a paged cache with page_rows 16, or
+    rows gathered by cp.async with page_rows 1. `k` and `v` have the (n_block, stage, barrier)
+    signature of FlashAttentionForwardSm90.load_blocks. TMA: the producer warp calls them (one
+    elected lane issues each box); gather: the whole producer warpgroup does."""
 
     cfg: object
     paged: bool
-    tKgK: cute.Tensor  # contiguous: partitioned (box, n_block); paged: (PAGE_ROWS, d, piece, 1, page)
+    tKgK: cute.Tensor  # contiguous: partitioned (box, n_block); paged: (16, d, piece, 1, page); gather: (ps, d, page)
     tKsK: cute.Tensor  # contiguous: partitioned (box, stage); paged: the smem stages
     tVgV: cute.Tensor
     tVsV: cute.Tensor
@@ -46,16 +51,23 @@ class KVLoader:
     tma_atom_V: cute.CopyAtom
     page_row: cute.Tensor | None  # paged: mPageTable[batch, None]
     page_size: Int32 | None  # paged only
+    page_rows: int = PAGE_ROWS  # paged: rows per piece (PAGE_ROWS_CHOICES)
+    tidx: Int32 | None = None  # page_rows 1: the thread's index in the producer warpgroup
 
     @staticmethod
     def create(cfg, paged: bool, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, head, batch, offset_k,
-               varlen: bool, page_size):
+               varlen: bool, page_size, page_rows: int = PAGE_ROWS, tidx=None):
+        if const_expr(paged and page_rows == 1):
+            # (page_size, d, num_pages) of this head: rows are addressed one by one.
+            return KVLoader(cfg, paged, mK[None, None, head, None], sK, mV[None, None, head, None], sV, None, None,
+                            mPageTable[batch, None], page_size, page_rows, tidx)
         if const_expr(paged):
-            # (page_size, d, num_pages) per head, tiled in PAGE_ROWS-row pieces:
-            # (PAGE_ROWS, d, pieces per page, 1, num_pages)
-            gK = cute.flat_divide(mK[None, None, head, None], (PAGE_ROWS, cfg.head_dim))
-            gV = cute.flat_divide(mV[None, None, head, None], (PAGE_ROWS, cfg.head_dim))
-            return KVLoader(cfg, paged, gK, sK, gV, sV, tma_atom_K, tma_atom_V, mPageTable[batch, None], page_size)
+            # (page_size, d, num_pages) per head, tiled in page_rows-row pieces:
+            # (page_rows, d, pieces per page, 1, num_pages)
+            gK = cute.flat_divide(mK[None, None, head, None], (page_rows, cfg.head_dim))
+            gV = cute.flat_divide(mV[None, None, head, None], (page_rows, cfg.head_dim))
+            return KVLoader(cfg, paged, gK, sK, gV, sV, tma_atom_K, tma_atom_V, mPageTable[batch, None], page_size,
+                            page_rows)
         tile = (cfg.tile_n, cfg.head_dim)
         gK = cute.local_tile(sequence_rows(mK, head, batch, offset_k, varlen), tile, (None, 0))
         gV = cute.local_tile(sequence_rows(mV, head, batch, offset_k, varlen), tile, (None, 0))
@@ -74,12 +86,15 @@ class KVLoader:
     @cute.jit
     def _copy(self, atom, g, s, n_block, stage, barrier):
         cfg = self.cfg
-        if const_expr(self.paged):
-            pieces_per_page = self.page_size // PAGE_ROWS
+        if const_expr(self.paged and self.page_rows == 1):
+            self._gather_rows(g, s, n_block, stage)
+        elif const_expr(self.paged):
+            page_rows = self.page_rows
+            pieces_per_page = self.page_size // page_rows
             num_pages = g.shape[4]
-            s_pieces = cute.flat_divide(s[None, None, stage], (PAGE_ROWS, cfg.head_dim))
-            for j in cutlass.range_constexpr(cfg.tile_n // PAGE_ROWS):
-                piece = n_block * (cfg.tile_n // PAGE_ROWS) + j
+            s_pieces = cute.flat_divide(s[None, None, stage], (page_rows, cfg.head_dim))
+            for j in cutlass.range_constexpr(cfg.tile_n // page_rows):
+                piece = n_block * (cfg.tile_n // page_rows) + j
                 slot = piece // pieces_per_page
                 # Positions past the page table read its last entry; ids are clamped into the pool.
                 slot = cutlass.min(slot, self.page_row.shape[0] - 1)
@@ -89,6 +104,37 @@ class KVLoader:
                 cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
         else:
             cute.copy(atom, g[None, n_block], s[None, stage], tma_bar_ptr=barrier)
+
+    @cute.jit
+    def _gather_rows(self, g, s, n_block, stage):
+        """One-row pieces (any page size): the producer warpgroup's 128 threads copy the block's rows
+        with 16-byte cp.async, each thread the same column chunk of every (128 / threads per row)-th
+        row. Row r is key n_block * tile_n + r: slot pos % page_size of page page_table[pos //
+        page_size] (positions past the table read its last entry; ids are clamped into the pool). The
+        caller's producer_commit arrives on the stage's barrier when the copies have landed."""
+        cfg = self.cfg
+        dtype = g.element_type
+        vec = 128 // dtype.width
+        threads_per_row = cfg.head_dim // vec
+        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            copy_atom,
+            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+        thr = tiled.get_slice(self.tidx)
+        tKsK = thr.partition_D(s[None, None, stage])
+        tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        num_pages = g.shape[2]
+        last_entry = self.page_row.shape[0] - 1
+        for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
+            pos = n_block * cfg.tile_n + tKcK[0, m, 0][0]
+            entry = pos // self.page_size
+            slot = pos - entry * self.page_size
+            page = cutlass.max(cutlass.min(self.page_row[cutlass.min(entry, last_entry)], num_pages - 1), 0)
+            src = cute.tiled_divide(g[slot, None, page], (vec,))
+            for k in cutlass.range_constexpr(cute.size(tKsK, mode=[2])):
+                cute.copy(copy_atom, src[None, tKcK[0, m, k][1] // vec], tKsK[None, m, k])
 
 
 @cute.jit

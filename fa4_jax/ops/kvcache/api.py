@@ -24,10 +24,8 @@ from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, 
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.core.validation import check_varlen
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
-from fa4_jax.ops.kvcache.reference import packed_cache
 from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
-from fa4_jax.ops.kvcache.spec import PAGE_SIZES, tile_m_for
-from fa4_jax.ops.varlen.api import attention_varlen
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
                    "implementation")
@@ -45,7 +43,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     Args:
       q: (batch, seqlen_q, heads_q, head_dim), bfloat16 or float16; seqlen_q >= 1.
       k_cache, v_cache: contiguous (batch, capacity, heads_kv, head_dim), or with page_table paged
-        (num_pages, page_size, heads_kv, head_dim), page_size one of 16, 32, 64, 128, 256.
+        (num_pages, page_size, heads_kv, head_dim), any page_size >= 1 (multiples of 16 are read in
+        16-row TMA pieces, other sizes row by row).
       cache_seqlens: int32 (batch,), valid keys per sequence, the new tokens included: the queries are
         the last seqlen_q of them (query i sits at key position cache_seqlens[b] - seqlen_q + i), which
         is what causal and window_size are relative to.
@@ -54,9 +53,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]], the last of its cache_seqlens[b]
         keys (bottom-right aligned per sequence); empty sequences allowed; rows past cu_seqlens_q[-1]
         belong to no sequence (o = 0, lse = -inf or the sink logit). One kernel launch reads the cache in
-        place (pack-GQA, split-KV with num_splits as below). Any page size >= 1: the kernel reads page
-        sizes that are multiples of 16; other sizes (e.g. 1) are gathered into a contiguous copy first
-        and run on the varlen kernel (correct, not fast; num_splits does not apply there).
+        place (pack-GQA, split-KV with num_splits as below), at any page size.
       max_seqlen_q: optional static bound on a ragged batch's queries per sequence (default: total_q;
         only with cu_seqlens_q). It sizes the kernel's grid and picks its query tile, so a tight bound
         (1 for pure decode, the chunk size for chunked prefill) launches fewer empty tiles. It must hold:
@@ -94,6 +91,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=False, max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2]),
+                  page_rows=page_rows_for(k_cache.shape[1]) if paged else PAGE_ROWS,
                   num_splits=num_splits or 0)
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
     implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
@@ -121,12 +119,6 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     check_operands(q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, kernel_constraints=False)
     check_varlen(q, q, q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q=max_seqlen_q, kernel_constraints=False)
     num_splits = check_num_splits(num_splits)
-    if page_table is not None and k_cache.shape[1] not in PAGE_SIZES:
-        # Pages smaller than a TMA piece (or not a multiple of it): gathered, then the varlen kernel.
-        k, v, cu_k, used = packed_cache(k_cache, v_cache, cache_seqlens, page_table)
-        return attention_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q, seqused_k=used,
-                                causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                sinks=sinks, return_lse=return_lse, implementation=implementation)
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
@@ -142,7 +134,8 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=True, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
-                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2]), num_splits=num_splits or 0)
+                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2]),
+                  page_rows=page_rows_for(k_cache.shape[1]) if paged else PAGE_ROWS, num_splits=num_splits or 0)
     q4 = jnp.asarray(q)[None]
     operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks) if x is not None)
     implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),

@@ -5,7 +5,7 @@ Operands: q, k_cache, v_cache, cache_seqlens, then page_table when `paged`, cu_s
 (the API's packed q with a unit axis, so that o, lse and the kernel's layouts are those of a batch of
 one). Params: softmax_scale, window_left / window_right (causal folded in), softcap, has_sinks, paged,
 ragged, max_seqlen_q (ragged: the bound on every sequence's queries; else 0), tile_m (the kernel's
-query tile, spec.tile_m_for), num_splits (0 = the handler picks from the SM count), implementation.
+query tile, spec.tile_m_for), page_rows (paged: rows per TMA piece, spec.page_rows_for), num_splits (0 = the handler picks from the SM count), implementation.
 Lowering (fa4_jax/core/lowering.py, per platform): on CUDA, when the kernel can serve the call, the
 family's FFI call (ffi/kvcache.cc) whose workspace results (the split-KV partials) are sized here
 (fa4_jax.ops.kvcache.spec); otherwise the pure-JAX reference. Sharding: fa4_jax/ops/kvcache/sharding.py.
@@ -27,7 +27,7 @@ from fa4_jax.families import KVCacheVariant, mask_kind
 from fa4_jax.ops.kvcache import sharding
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
-from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_capacity
+from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, PAGE_ROWS, SPLIT_BLOCK_KEYS, auto_split_capacity
 
 OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks"})
 
@@ -74,8 +74,8 @@ fa4_kvcache_p, fa4_kvcache_local_p = primitive_pair("fa4_kvcache", _abstract_eva
 
 
 def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
-               tile_m, num_splits, implementation):
-    del max_seqlen_q, tile_m, num_splits, implementation
+               tile_m, page_rows, num_splits, implementation):
+    del max_seqlen_q, tile_m, page_rows, num_splits, implementation
     q, k, v, seqlens, page_table, cu_q, sinks = _split(operands, paged, ragged, has_sinks)
     if not ragged:
         return attention_with_kvcache_reference(q, k, v, seqlens, page_table=page_table, softmax_scale=softmax_scale,
@@ -112,11 +112,12 @@ def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
 def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVariant:
     """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
     return KVCacheVariant(arch, dtype_tag(dtype), head_dim, mask_kind(params["window_left"], params["window_right"]),
-                          params["softcap"] > 0, params["paged"], params["tile_m"])
+                          params["softcap"] > 0, params["paged"], params["tile_m"],
+                          params["page_rows"] if params["paged"] else PAGE_ROWS)
 
 
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
-                 tile_m, num_splits, implementation):
+                 tile_m, page_rows, num_splits, implementation):
     del implementation
     named = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks))
     table = named["page_table"]
@@ -124,7 +125,7 @@ def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, h
                             num_splits)
     return kernel_call(KVCACHE, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
                                             window_right=window_right, num_splits=num_splits,
-                                            max_seqlen_q=max_seqlen_q, tile_m=tile_m),
+                                            max_seqlen_q=max_seqlen_q, tile_m=tile_m, page_rows=page_rows),
                        dims=dict(splits=splits))
 
 

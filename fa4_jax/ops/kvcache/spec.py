@@ -34,11 +34,17 @@ SPLIT_BLOCK_KEYS = 128
 # SMs); the lowering sizes the workspace for it, the handler then picks within it.
 AUTO_SPLIT_CTAS = 320
 MAX_SPLITS = 256
-# The kernel gathers a paged cache in PAGE_ROWS-row TMA pieces: a page size must be a multiple.
+# The kernel gathers a paged cache in TMA pieces of PAGE_ROWS rows when the page size is a multiple
+# of it, else of one row (any page size): the variant field page_rows, picked by page_rows_for.
 PAGE_ROWS = 16
-# Page sizes a paged cache may have (the validation, the Flax cache and the support matrix read this):
-# multiples of PAGE_ROWS; these are the sizes tested.
-PAGE_SIZES = (16, 32, 64, 128, 256)
+PAGE_ROWS_CHOICES = (PAGE_ROWS, 1)
+# Page sizes the support matrix lists and the tests cover (any size >= 1 is accepted).
+PAGE_SIZES = (1, 5, 16, 32, 48, 64, 100, 128, 256)
+
+
+def page_rows_for(page_size) -> int:
+    """Rows per TMA piece for a paged cache of `page_size` (a symbolic size takes one-row pieces)."""
+    return PAGE_ROWS if isinstance(page_size, int) and page_size % PAGE_ROWS == 0 else 1
 
 
 def tile_m_for(rows: int) -> int:
@@ -65,10 +71,13 @@ class KVCacheVariant(FwdVariant):
 
     paged: bool = False
     tile_m: int = TILE_M
+    page_rows: int = PAGE_ROWS
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"head_dim": HEAD_DIMS, "tile_m": TILE_MS}, ("paged",))
+        self.check_fields({"head_dim": HEAD_DIMS, "tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged",))
+        if not self.paged and self.page_rows != PAGE_ROWS:
+            raise ValueError(f"page_rows applies to paged caches only: {self.page_rows=} with paged=False")
 
     def _symbol_parts(self):
         parts = [self.arch, self.dtype, f"hd{self.head_dim}", self.mask]
@@ -78,28 +87,33 @@ class KVCacheVariant(FwdVariant):
             parts.append("paged")
         if self.tile_m != TILE_M:
             parts.append(f"m{self.tile_m}")
+        if self.page_rows != PAGE_ROWS:
+            parts.append(f"rows{self.page_rows}")
         return tuple(parts)
 
     @classmethod
     def _from_parts(cls, parts):
         tiles = [f"m{m}" for m in TILE_MS if m != TILE_M]
-        if len(parts) < 4 or any(p not in ("softcap", "paged", *tiles) for p in parts[4:]):
-            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged][_m128], got {'_'.join(parts)!r}")
+        rows = [f"rows{r}" for r in PAGE_ROWS_CHOICES if r != PAGE_ROWS]
+        if len(parts) < 4 or any(p not in ("softcap", "paged", *tiles, *rows) for p in parts[4:]):
+            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged][_m128][_rows1], got {'_'.join(parts)!r}")
         arch, dtype, hd, mask = parts[:4]
         tile_m = next((int(p[1:]) for p in parts[4:] if p in tiles), TILE_M)
-        return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask,
-                   softcap="softcap" in parts[4:], paged="paged" in parts[4:], tile_m=tile_m)
+        page_rows = next((int(p[4:]) for p in parts[4:] if p in rows), PAGE_ROWS)
+        return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap="softcap" in parts[4:],
+                   paged="paged" in parts[4:], tile_m=tile_m, page_rows=page_rows)
 
 
 def default_menu() -> tuple[KVCacheVariant, ...]:
     return tuple(
-        KVCacheVariant("sm90", dtype, hd, mask, softcap, paged, tile_m)
+        KVCacheVariant("sm90", dtype, hd, mask, softcap, paged, tile_m, page_rows)
         for dtype in DTYPES
         for hd in HEAD_DIMS
         for mask in MASKS
         for softcap in (False, True)
         for paged in (False, True)
         for tile_m in TILE_MS
+        for page_rows in (PAGE_ROWS_CHOICES if paged else (PAGE_ROWS,))
     )
 
 
@@ -159,10 +173,21 @@ CALL = CallSignature(
         Attr("num_splits", "i32", "0 = the handler picks from the SM count; else 1..splits (the workspace)"),
         Attr("max_seqlen_q", "i32", "ragged: bounds every sequence's queries, 0 = total_q; else ignored (s_q)"),
         Attr("tile_m", "i32", "packed query rows per tile, one of TILE_MS (tile_m_for): picks the variant"),
+        Attr("page_rows", "i32", "paged: rows per TMA piece, one of PAGE_ROWS_CHOICES dividing page_size "
+                                 "(page_rows_for); ignored for a contiguous cache"),
     ),
     constants=(("tile_m", TILE_M), ("tile_m_wide", TILE_MS[1]), ("split_block_keys", SPLIT_BLOCK_KEYS), ("page_rows", PAGE_ROWS),
                ("max_splits", MAX_SPLITS)),
 )
+
+def _shape_fields(seqlen_q: int, page_size: int | None) -> dict:
+    """The variant fields that follow a call's shape: the query tile for (at least) seqlen_q packed
+    rows, and the page pieces of a paged cache."""
+    fields = dict(tile_m=tile_m_for(seqlen_q))
+    if page_size is not None:
+        fields["page_rows"] = page_rows_for(page_size)
+    return fields
+
 
 KVCACHE = KernelFamily(
     name="kvcache",
@@ -188,13 +213,15 @@ KVCACHE = KernelFamily(
     ),
     scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
                               "num_splits", "ragged", "max_seqlen_q"),
-    key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal)),
+    key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
+                         KeyField("page_rows", "int", int_literal)),
     enums={"Mask": MASKS},
     call=CALL,
     handler="ffi/kvcache.cc",
     compile="fa4_jax.kernels.kvcache:compile_variant",
     default_menu=default_menu,
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
-                              (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128)), (("paged", paged),))
+                              (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
+                              (("paged", paged),), _shape_fields)
                   for layout, paged in (("contiguous", False), ("paged", True))),
 )
