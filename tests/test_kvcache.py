@@ -792,6 +792,9 @@ BAD_RAGGED_CALLS = {
     "q_rank_4": (dict(q_shape=(1, 3, 8, D)), ValueError, r"q must have rank 3"),
     "hint_without_cu": (dict(cu=None, max_seqlen_q=4), ValueError, r"max_seqlen_q is a hint for a ragged batch"),
     "num_splits_bad": (dict(num_splits=0), ValueError, r"num_splits"),
+    "hint_zero": (dict(max_seqlen_q=0), ValueError, r"max_seqlen_q bounds every sequence's queries: None or a static "
+                                                    r"int >= 1; got max_seqlen_q=0"),
+    "hint_traced_like": (dict(max_seqlen_q=2.5), ValueError, r"got max_seqlen_q=2\.5"),
 }
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from fa4_jax.core import cudnn
 from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
-from fa4_jax.core.validation import check_varlen
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
 from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
 from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
@@ -117,13 +117,14 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     check_tensors({"q": q}, 3, kernel_constraints=False)
     q4 = jax.ShapeDtypeStruct((1, *q.shape), q.dtype)
     check_operands(q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, kernel_constraints=False)
-    check_varlen(q, q, q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q=max_seqlen_q, kernel_constraints=False)
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, (bool, np.bool_)) or
+                                     not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 1):
+        raise ValueError(f"max_seqlen_q bounds every sequence's queries: None or a static int >= 1; "
+                         f"got max_seqlen_q={max_seqlen_q!r}")
     num_splits = check_num_splits(num_splits)
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[1], head_dim=q.shape[-1])
-    if max_seqlen_q is not None and max_seqlen_q < 1:
-        raise ValueError(f"max_seqlen_q bounds every sequence's queries: None or an int >= 1; got {max_seqlen_q}")
     total_q = q.shape[0]
     max_q = total_q if max_seqlen_q is None else int(max_seqlen_q)
     if isinstance(total_q, int):
