@@ -8,13 +8,15 @@ the same ones):
 - seqlens: where a tile's sequence lengths come from (SeqlenInfo, seqlen.py)
     DENSE   the tensors' extents (b, s, h, d)
     VARLEN  cu_seqlens_q / cu_seqlens_k offsets into packed (t, h, d) tensors, seqused_k
-    CACHE   cache_seqlens[b] keys of a KV cache, clamped to its capacity
+    CACHE   cache_seqlens[b] keys of a KV cache, clamped to its capacity; a ragged batch's rows
+            from cu_seqlens_q (a runtime flag: the same kernel serves both)
 - q_load: how a tile's Q rows reach shared memory
     TMA         one TMA box at the sequence's offset
     PACKED_GQA  the (query, q-head) rows of one KV head's q-heads, gathered row by row (cp.async)
 - kv_load: how K/V blocks reach shared memory
     CONTIGUOUS  one TMA box per block
-    PAGED       a page table maps PAGE_ROWS-row pieces to pages of a pool
+    PAGED       a page table maps pieces to pages of a pool: 16-row TMA boxes, or (page_rows 1, any
+                page size) rows gathered by the producer warpgroup with cp.async
 - scheduler: which tiles a CTA takes (tile_scheduler.py)
     PERSISTENT  a 1-D grid of min(tiles, max_ctas) CTAs, longest tiles first for causal/local masks
     SPLIT       one CTA per (tile, split): the KV blocks of a tile are divided over num_splits CTAs
