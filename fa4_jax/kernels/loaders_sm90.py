@@ -27,6 +27,21 @@ def sequence_rows(mX: cute.Tensor, head, batch, offset, varlen: bool) -> cute.Te
     return mX[None, None, head, batch]
 
 
+def row_copy(dtype, head_dim: int, n_threads: int):
+    """16-byte cp.async of (rows, head_dim) tiles by `n_threads` threads: head_dim / 8 (bf16) threads
+    per row, each a fixed 16-byte column chunk, n_threads / that many rows per pass. Returns
+    (copy atom, tiled copy, elements per copy)."""
+    vec = 128 // dtype.width
+    threads_per_row = head_dim // vec
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+    tiled = cute.make_tiled_copy_tv(
+        atom,
+        cute.make_ordered_layout((n_threads // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)),
+    )
+    return atom, tiled, vec
+
+
 def tma_tile_copy(atom, g_tiles: cute.Tensor, s_tiles: cute.Tensor):
     """(global tiles, smem stages) partitioned for one TMA atom, issued by one thread."""
     one = cute.make_layout(1)
@@ -113,15 +128,7 @@ class KVLoader:
         page_size] (positions past the table read its last entry; ids are clamped into the pool). The
         caller's producer_commit arrives on the stage's barrier when the copies have landed."""
         cfg = self.cfg
-        dtype = g.element_type
-        vec = 128 // dtype.width
-        threads_per_row = cfg.head_dim // vec
-        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            copy_atom,
-            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
+        copy_atom, tiled, vec = row_copy(g.element_type, cfg.head_dim, 128)
         thr = tiled.get_slice(self.tidx)
         tKsK = thr.partition_D(s[None, None, stage])
         tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
@@ -144,16 +151,9 @@ def gather_packed_q(cfg, mQ, sQ, tidx, work, seqlen, problem):
     stored), then make them visible to wgmma. Row r of the tile is query r // qhead_per_kv of q-head
     kv_head * qhead_per_kv + r % qhead_per_kv -- a runtime division, hence no TMA box -- at
     (seqlen.batch_q, seqlen.offset_q + query) of q."""
-    n_threads = 128 * cfg.num_consumer_wg
     dtype = mQ.element_type
-    vec = 128 // dtype.width
-    threads_per_row = cfg.head_dim // vec
-    copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
-    tiled = cute.make_tiled_copy_tv(
-        copy_atom,
-        cute.make_ordered_layout((n_threads // threads_per_row, threads_per_row), order=(1, 0)),
-        cute.make_layout((1, vec)),
-    )
+    n_threads = 128 * cfg.num_consumer_wg
+    copy_atom, tiled, vec = row_copy(dtype, cfg.head_dim, n_threads)
     thr = tiled.get_slice(tidx)
     tQsQ = thr.partition_D(sQ)
     tQcQ = thr.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
