@@ -79,6 +79,17 @@ def _bshd(name: str, ptr: str, seq: str, heads: str, stride: str) -> TensorArg:
                      tuple(f"p.{stride}[{i}]" for i in range(3)))
 
 
+# The softmax and window params every attention family's kernels take (their Params fields, in this
+# order, and the kernel scalars of the same names).
+SOFTMAX_PARAMS = (
+    Field("float", "softmax_scale_log2", "log2(e) * (softcap if softcap else softmax_scale): the kernels use exp2"),
+    Field("float", "softcap_prescale", "softmax_scale / softcap: scores become tanh(s * this)"),
+    Field("int32_t", "window_left", "local mask: keys [i + s_k - s_q - left, i + s_k - s_q + right], clamped by "
+                                    "the handler"),
+    Field("int32_t", "window_right", "clamped by the handler when unbounded"),
+)
+SOFTMAX_SCALARS = tuple(f.name for f in SOFTMAX_PARAMS)
+
 _PARAMS = (
     # void* rather than const: the exported structs hold `void *data`; q/k/v are read-only.
     Field("void *", "q"), Field("void *", "k"), Field("void *", "v"), Field("void *", "o"),
@@ -89,10 +100,7 @@ _PARAMS = (
     Field("int64_t", "q_stride[3]", "{batch, seq, head} in elements; head_dim stride is 1"),
     Field("int64_t", "k_stride[3]"), Field("int64_t", "v_stride[3]"), Field("int64_t", "o_stride[3]"),
     Field("int64_t", "lse_stride[2]", "{batch, head}; the seq stride is 1"),
-    Field("float", "softmax_scale_log2", "log2(e) * (softcap if softcap else softmax_scale): the kernels use exp2"),
-    Field("float", "softcap_prescale", "softmax_scale / softcap: scores become tanh(s * this)"),
-    Field("int32_t", "window_left", "local mask: keys [i + s_k - s_q - left, i + s_k - s_q + right]"),
-    Field("int32_t", "window_right", "clamped to s_k / s_q by the handler when unbounded"),
+    *SOFTMAX_PARAMS,
     Field("int32_t", "max_ctas", "persistent grid size: the device's SM count"),
 )
 
@@ -145,7 +153,7 @@ FWD = KernelFamily(
         TensorArg("mLSE", "p.lse", ("p.b", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
-    scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
+    scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "max_ctas"),
     key=ATTENTION_KEY,
     enums={"Mask": MASKS},

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
 from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, FwdVariant
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, FwdVariant
 
 HEAD_DIMS = (64, 128, 256)
 # Packed query rows (queries x q-heads per KV head) of one tile: 64 (one consumer warpgroup) while a
@@ -141,10 +141,7 @@ _PARAMS = (
     Field("int64_t", "kv_stride[3]", "{batch or page, position, head} of k_cache and v_cache"),
     Field("int64_t", "lse_stride[2]"),
     Field("int64_t", "o_accum_stride[4]"), Field("int64_t", "lse_accum_stride[3]"),
-    Field("float", "softmax_scale_log2", "log2(e) * (softcap if softcap else softmax_scale)"),
-    Field("float", "softcap_prescale", "softmax_scale / softcap"),
-    Field("int32_t", "window_left", "clamped like the dense family's"),
-    Field("int32_t", "window_right"),
+    *SOFTMAX_PARAMS,
     Field("int32_t", "num_splits", "KV splits of this call, 1 <= num_splits <= splits_cap"),
     Field("int32_t", "ragged", "1: rows from cu_seqlens_q (rows past cu_seqlens_q[b] get o = 0); 0: s_q per sequence"),
     Field("int32_t", "max_seqlen_q", "bounds every sequence's queries (s_q when not ragged): the grid's m-blocks"),
@@ -211,7 +208,7 @@ KVCACHE = KernelFamily(
                   tuple(f"p.lse_accum_stride[{i}]" for i in range(3))),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
-    scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
+    scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "num_splits", "ragged", "max_seqlen_q"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
                          KeyField("page_rows", "int", int_literal)),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fa4_jax.families.base import Attr, Buffer, CallSignature, Field, KernelFamily, PublicEntry, TensorArg, params_as_scalars
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, FwdVariant
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, FwdVariant
 from fa4_jax.ops.fwd.spec import default_menu as fwd_default_menu
 
 HEAD_DIMS = (64, 128, 256)
@@ -46,8 +46,7 @@ _PARAMS = (
     Field("int32_t", "h_q"), Field("int32_t", "h_k"),
     Field("int64_t", "q_stride[2]", "{token, head} in elements; head_dim stride is 1"),
     Field("int64_t", "kv_stride[2]"),
-    Field("float", "softmax_scale_log2"), Field("float", "softcap_prescale"),
-    Field("int32_t", "window_left"), Field("int32_t", "window_right"),
+    *SOFTMAX_PARAMS,
     Field("int32_t", "max_seqlen_q", "bounds every sequence's length: the grid's m-blocks"),
     Field("int32_t", "max_ctas", "persistent grid size (SM count) or INT32_MAX for one CTA per tile"),
 )
@@ -88,7 +87,7 @@ VARLEN = KernelFamily(
         TensorArg("mSequsedK", "p.seqused_k", ("p.b",), ("1",)),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
-    scalars=params_as_scalars(_PARAMS, "softmax_scale_log2", "softcap_prescale", "window_left", "window_right",
+    scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "max_seqlen_q", "max_ctas"),
     key=ATTENTION_KEY,
     enums={"Mask": MASKS},
