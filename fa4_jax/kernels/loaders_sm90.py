@@ -33,7 +33,11 @@ def row_copy(dtype, head_dim: int, n_threads: int):
     (copy atom, tiled copy, elements per copy)."""
     vec = 128 // dtype.width
     threads_per_row = head_dim // vec
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), dtype, num_bits_per_copy=128)
+    # cp.async.cg: through L2 only. The default .ca allocates every line in L1, which is what shared
+    # memory leaves of the SM's 256 KB (~28 KB here): that capped the bytes in flight of the
+    # one-row K/V gather at a small fraction of what the HBM latency needs.
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=128)
     tiled = cute.make_tiled_copy_tv(
         atom,
         cute.make_ordered_layout((n_threads // threads_per_row, threads_per_row), order=(1, 0)),
@@ -105,16 +109,23 @@ class KVLoader:
             self._gather_rows(g, s, n_block, stage)
         elif const_expr(self.paged):
             page_rows = self.page_rows
+            pieces = cfg.tile_n // page_rows
             pieces_per_page = self.page_size // page_rows
             num_pages = g.shape[4]
             s_pieces = cute.flat_divide(s[None, None, stage], (page_rows, cfg.head_dim))
-            for j in cutlass.range_constexpr(cfg.tile_n // page_rows):
-                piece = n_block * (cfg.tile_n // page_rows) + j
-                slot = piece // pieces_per_page
-                # Positions past the page table read its last entry; ids are clamped into the pool.
-                slot = cutlass.min(slot, self.page_row.shape[0] - 1)
-                page = cutlass.max(cutlass.min(self.page_row[slot], num_pages - 1), 0)
-                src = g[None, None, piece - slot * pieces_per_page, 0, page]
+            # Lane j looks up piece j's page (all lanes at once; positions past the page table read
+            # its last entry, ids are clamped into the pool) and each box takes its page with a
+            # shuffle: one page-table latency per block instead of one per box in turn.
+            lane = cute.arch.lane_idx()
+            my_piece = n_block * pieces + lane % pieces
+            my_entry = my_piece // pieces_per_page
+            my_within = my_piece - my_entry * pieces_per_page
+            my_entry = cutlass.min(my_entry, self.page_row.shape[0] - 1)
+            my_page = cutlass.max(cutlass.min(self.page_row[my_entry], num_pages - 1), 0)
+            for j in cutlass.range_constexpr(pieces):
+                page = cute.arch.shuffle_sync(my_page, j)
+                within = cute.arch.shuffle_sync(my_within, j)
+                src = g[None, None, within, 0, page]
                 tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
                 cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
         else:
@@ -123,22 +134,42 @@ class KVLoader:
     @cute.jit
     def _gather_rows(self, g, s, n_block, stage):
         """One-row pieces (any page size): the producer warpgroup's 128 threads copy the block's rows
-        with 16-byte cp.async, each thread the same column chunk of every (128 / threads per row)-th
-        row. Row r is key n_block * tile_n + r: slot pos % page_size of page page_table[pos //
-        page_size] (positions past the table read its last entry; ids are clamped into the pool). The
-        caller's producer_commit arrives on the stage's barrier when the copies have landed."""
+        with 16-byte cp.async. row_copy gives thread t the column chunk t % tpr (tpr = threads per
+        row) of rows pass * (128 / tpr) + t / tpr, so each warp copies tile_n / 4 rows <= 32. Row r
+        is key n_block * tile_n + r: slot pos % page_size of page page_table[pos // page_size]
+        (positions past the table read its last entry; ids are clamped into the pool).
+
+        Each lane looks up one of its warp's rows -- one division and one page-table load per call,
+        all lanes at once -- and each pass takes its row's (page, slot) from the owning lane with a
+        shuffle. Looking rows up pass by pass instead put a dependent global load and a division in
+        front of every pass (issue-bound at the producer's 24 registers: page size 1 ran at a
+        quarter of page 16's speed). The caller's producer_commit arrives on the stage's barrier when
+        the copies have landed."""
         cfg = self.cfg
         copy_atom, tiled, vec = row_copy(g.element_type, cfg.head_dim, 128)
+        threads_per_row = cfg.head_dim // vec
+        rows_per_pass = 128 // threads_per_row
+        rows_per_warp_pass = 32 // threads_per_row
+        rows_per_warp = cfg.tile_n // 4
         thr = tiled.get_slice(self.tidx)
         tKsK = thr.partition_D(s[None, None, stage])
         tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        lane = cute.arch.lane_idx()
+        warp = self.tidx // 32
+        # The row this lane looks up: index i of its warp's rows, in pass i // rows_per_warp_pass.
+        i = lane % rows_per_warp
+        row = (i // rows_per_warp_pass) * rows_per_pass + warp * rows_per_warp_pass + i % rows_per_warp_pass
+        pos = n_block * cfg.tile_n + row
+        entry = pos // self.page_size
+        my_slot = pos - entry * self.page_size
         num_pages = g.shape[2]
-        last_entry = self.page_row.shape[0] - 1
+        my_page = cutlass.max(cutlass.min(self.page_row[cutlass.min(entry, self.page_row.shape[0] - 1)],
+                                          num_pages - 1), 0)
+        src_lane_in_pass = lane // threads_per_row
         for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
-            pos = n_block * cfg.tile_n + tKcK[0, m, 0][0]
-            entry = pos // self.page_size
-            slot = pos - entry * self.page_size
-            page = cutlass.max(cutlass.min(self.page_row[cutlass.min(entry, last_entry)], num_pages - 1), 0)
+            owner = m * rows_per_warp_pass + src_lane_in_pass
+            slot = cute.arch.shuffle_sync(my_slot, owner)
+            page = cute.arch.shuffle_sync(my_page, owner)
             src = cute.tiled_divide(g[slot, None, page], (vec,))
             for k in cutlass.range_constexpr(cute.size(tKsK, mode=[2])):
                 cute.copy(copy_atom, src[None, tKcK[0, m, k][1] // vec], tKsK[None, m, k])
