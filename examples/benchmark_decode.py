@@ -3,6 +3,7 @@
 
     python examples/benchmark_decode.py               # the issue's decode table + paged rows (~1 min)
     python examples/benchmark_decode.py --json out.json
+    python examples/benchmark_decode.py --device-time  # kernel time alone, automatic vs forced splits
 
 Setting (Llama-style decode): bf16, one new query per sequence (seqlen_q = 1), 32 q-heads over 8
 KV heads, head_dim 128, every sequence's cache full (cache_seqlens = capacity). TB/s counts the K
@@ -14,6 +15,12 @@ pages of 16 / 64 / 256 tokens scattered in a shuffled pool, compared with the co
 Timing as in benchmark.py (method: docs/BENCHMARKING.md): jitted, warmed up, batches of back-to-back
 calls over two input sets, median of batches. Every row is checked against a float32 oracle before it
 is timed.
+
+--device-time measures what the GPU spends per call: LOOP dependent calls inside one jitted, unrolled
+fori_loop (back-to-back calls add host dispatch, a rolled loop 15-30 us per iteration), rounds
+interleaved so that board drift hits every column alike, the minimum over rounds per column. Beside
+cuDNN and the automatic split count it times every forced count in SPLIT_SWEEP and names the best,
+with the HBM floor (K/V bytes at 4.3 TB/s).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ H_Q, H_KV, D = 32, 8, 128
 ROWS = [(1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 8192)]
 PAGED_ROWS = [(8, 32768), (1, 131072)]
 PAGE_SIZES = (16, 64, 256)
+SPLIT_SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48)
+LOOP = 20
+HBM_TB_S = 4.3
 
 
 def inputs(seed: int, b: int, s: int):
@@ -73,12 +83,85 @@ def rel_err(out, q, k, v, rows=4):
     return float(jnp.abs(o - ref).max() / jnp.abs(ref).max())
 
 
+def looped(step, n: int = LOOP):
+    """One jitted program of n dependent calls of step(q, *rest) (unrolled: no per-iteration loop cost)."""
+    def run(q, *rest):
+        def body(i, carry):
+            o = step(q + carry.astype(q.dtype) * 0, *rest)  # data dependence keeps the calls in order
+            return carry + o.reshape(-1)[0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, n, body, jnp.float32(0), unroll=True)
+    return jax.jit(run)
+
+
+def device_time_table(rounds: int, tp: dict, json_path=None) -> int:
+    """Issue 20's table: device time per call of cuDNN, fa4 with automatic splits and with every forced
+    split count, for the decode rows and their paged variants."""
+    rows = [(b, s, None) for b, s in ROWS] + [(b, s, ps) for b, s in PAGED_ROWS for ps in PAGE_SIZES]
+    print(f"\nDecode device time (us per call: {LOOP} dependent calls in one unrolled jitted loop, min over "
+          f"{rounds} interleaved rounds), bf16, seqlen_q 1, heads {H_Q}/{H_KV}, head_dim {D}, full caches")
+    print(f"{'batch x keys':>14} {'page':>5} {'cuDNN':>7} {'auto':>7} {'best forced':>11} {'splits':>6} "
+          f"{'floor':>6} {'auto/best':>9} {'auto/cuDNN':>10}")
+    results = []
+    for b, s, ps in rows:
+        q, k, v = inputs(0, b, s)
+        lens = jnp.full((b,), s, jnp.int32)
+        kv_bytes = 2 * b * s * H_KV * D * 2
+        if ps is None:
+            args, kw = (q, k, v, lens), {}
+        else:
+            kp, vp, table = to_paged(k, v, ps, seed=ps)
+            args, kw = (q, kp, vp, lens, table), {}
+        def fa4_step(splits):
+            if ps is None:
+                return lambda q, k, v, n: fa4_jax.attention_with_kvcache(q, k, v, n, num_splits=splits,
+                                                                         implementation="fa4")
+            return lambda q, k, v, n, t: fa4_jax.attention_with_kvcache(q, k, v, n, page_table=t, num_splits=splits,
+                                                                        implementation="fa4")
+        err = rel_err(jax.jit(fa4_step(None))(*args), q, k, v)
+        if err > REL_ERR_LIMIT:
+            print(f"{b:>5} x {s:>6} {ps or '-':>5}: fa4 WRONG (rel err {err:.3g})")
+            results.append(dict(batch=b, keys=s, page_size=ps, fa4="WRONG"))
+            continue
+        max_splits = max(1, min(s // 128, 128))
+        progs = {"auto": (looped(fa4_step(None)), args)}
+        progs.update({f"s{n}": (looped(fa4_step(n)), args) for n in SPLIT_SWEEP if n <= max_splits})
+        if ps is None:
+            progs["cudnn"] = (looped(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn")),
+                              (q, k, v))
+        times: dict[str, list[float]] = {name: [] for name in progs}
+        for _ in range(rounds):
+            for name, (f, a) in progs.items():
+                try:
+                    times[name].append(time_per_call(f, [a], **tp) / LOOP * 1e6)
+                except Exception as e:  # noqa: BLE001 - cuDNN may refuse; report and go on
+                    times[name].append(float("nan"))
+                    print(f"   {name}: {short(e)}")
+        best = {name: min(t) for name, t in times.items()}
+        forced = {int(n[1:]): t for n, t in best.items() if n.startswith("s")}
+        b_n = min(forced, key=forced.get)
+        auto = best["auto"]
+        cud = best.get("cudnn", float("nan"))
+        floor = kv_bytes / (HBM_TB_S * 1e12) * 1e6
+        print(f"{b:>5} x {s:>6} {ps or '-':>5} {cud:7.1f} {auto:7.1f} {forced[b_n]:11.1f} {b_n:>6} {floor:6.1f} "
+              f"{auto / forced[b_n]:9.3f} {auto / cud:10.3f}", flush=True)
+        results.append(dict(batch=b, keys=s, page_size=ps, cudnn_us=cud, auto_us=auto, forced_us=forced,
+                            best_splits=b_n, floor_us=floor))
+        del progs, args
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=7)
     ap.add_argument("--target-batch-s", type=float, default=0.1)
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--no-paged", action="store_true")
+    ap.add_argument("--device-time", action="store_true",
+                    help="kernel time alone (unrolled jitted loop), automatic vs every forced split count")
+    ap.add_argument("--rounds", type=int, default=3, help="--device-time: interleaved repeats")
     args = ap.parse_args(argv)
     device = hopper_device()
     if device is None:
@@ -86,6 +169,8 @@ def main(argv=None) -> int:
         return 0
     print("\n".join(header_lines(device)))
     tp = dict(batches=args.batches, target_batch_s=args.target_batch_s)
+    if args.device_time:
+        return device_time_table(args.rounds, dict(batches=3, target_batch_s=0.03), args.json)
 
     fa4 = jax.jit(lambda q, k, v, n: fa4_jax.attention_with_kvcache(q, k, v, n, implementation="fa4"))
     fa4_paged = jax.jit(lambda q, k, v, n, t: fa4_jax.attention_with_kvcache(q, k, v, n, page_table=t,
