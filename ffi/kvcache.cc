@@ -74,6 +74,16 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   } else if (qb != b) {
     return Invalid("cache_seqlens must be int32 (batch,) = (" + std::to_string(qb) + ",); got (" + std::to_string(b) + ",)");
   }
+  // A tile list (ragged only): the (sequence, m_block) pairs to run, built by the lowering
+  // (fa4_jax/ops/kvcache/tiles.py); the kernel skips entries that hold no rows.
+  int64_t n_listed = 0;
+  if (c.tile_list.has_value()) {
+    const int64_t entries = c.tile_list->dimensions()[0];
+    if (!ragged) return Invalid("tile_list needs a ragged batch (cu_seqlens_q)");
+    if (entries < 2 || entries % 2 != 0)
+      return Invalid("tile_list must be int32 (2 * tiles,) (sequence, m_block) pairs; got (" + std::to_string(entries) + ",)");
+    n_listed = entries / 2;
+  }
   const bool paged = c.page_table.has_value();
   int64_t capacity = kv_len, max_pages = 1;
   if (paged) {
@@ -122,7 +132,8 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
                    std::to_string(tile_m));
   const int64_t rows = max_seqlen_q * (h_q / h_k);
   const int64_t m_blocks = (rows + tile_m - 1) / tile_m;
-  const int64_t tiles = m_blocks * h_k * b;
+  // Without a list: every m_block of every sequence (ragged: and of the pseudo-sequence).
+  const int64_t tiles = (n_listed > 0 ? n_listed : m_blocks * b) * h_k;
 
   DeviceInfo dev;
   const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
@@ -133,7 +144,7 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
 
   const int64_t blocks = std::max<int64_t>(1, (capacity + kSplitBlockKeys - 1) / kSplitBlockKeys);
   const int64_t splits = c.num_splits > 0 ? c.num_splits : AutoSplits(tiles, dev.num_sms, blocks, splits_cap);
-  if (!FitsInt32((tiles + m_blocks * h_k) * splits))
+  if (!FitsInt32((tiles + m_blocks * h_k) * splits) || !FitsInt32(2 * n_listed))
     return Invalid("batch x heads_kv x query tiles x num_splits exceeds int32");
 
   Params &p = r.params;
@@ -143,6 +154,7 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   p.qb = static_cast<int32_t>(qb);
   p.ragged = ragged ? 1 : 0;
   p.max_seqlen_q = static_cast<int32_t>(max_seqlen_q);
+  p.n_listed = static_cast<int32_t>(n_listed);
   const int64_t q_strides[3] = {s_q * h_q * d, h_q * d, d};
   const int64_t kv_strides[3] = {kv_len * h_k * d, h_k * d, d};
   for (int i = 0; i < 3; ++i) {

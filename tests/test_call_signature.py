@@ -19,7 +19,7 @@ from fa4_jax.families import FAMILIES
 
 # A size for every dim name the families use (distinct, so a swapped dim shows). "b1" is b + 1.
 SIZES = dict(b=2, b1=3, qb=1, s_q=3, s_k=5, h_q=4, h_k=2, d=64, kv_rows=6, kv_len=16, max_pages=3, total_q=7, total_k=9,
-             splits=2)
+             splits=2, n_tile_entries=8)
 MLIR_DTYPES = {"input": "bf16", "f32": "f32", "i32": "i32"}
 ATTR_VALUES = {"f32": 0.5, "i32": 1, "bool": True}
 

@@ -262,6 +262,14 @@ def test_kvcache_ffi_rejects_num_splits_over_workspace(built):
                   cu_seqlens_q=jnp.array([0, 1, 2], jnp.int32))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"a ragged batch's q must be \(1, total_q, heads_q, head_dim\)"):
         jax.block_until_ready(kernel_call(KVCACHE, ragged, dict(attrs, num_splits=1), dims=dict(splits=2)))
+    # A tile list belongs to a ragged call and holds (sequence, m_block) pairs.
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"tile_list needs a ragged batch \(cu_seqlens_q\)"):
+        jax.block_until_ready(kernel_call(KVCACHE, dict(operands, tile_list=jnp.zeros((2,), jnp.int32)),
+                                          dict(attrs, num_splits=1), dims=dict(splits=2)))
+    packed = dict(ragged, q=jnp.ones((1, 2, 8, 128), jnp.bfloat16), tile_list=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"tile_list must be int32 \(2 \* tiles,\) \(sequence, m_block\) pairs; got \(3,\)"):
+        jax.block_until_ready(kernel_call(KVCACHE, packed, dict(attrs, num_splits=1), dims=dict(splits=2)))
 
 
 @pytest.mark.parametrize("s_q", [1, 2])

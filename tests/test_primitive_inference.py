@@ -109,9 +109,36 @@ def test_targets_are_the_current_abis():
     # The FFI ABI names: the C++ handlers register them and serialized exports name them, so a
     # change must be deliberate (a new version suffix), never a side effect. kvcache v2: an absent
     # page table is a zero-size operand with has_page_table = false (v1: a dummy table and `paged`);
-    # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q and tile_m attributes).
-    assert KV_TARGET == "fa4_jax_kvcache_v3", f"{KV_TARGET=}"
+    # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q and tile_m attributes); v4: an
+    # optional tile list (ragged calls with more than one query tile per sequence).
+    assert KV_TARGET == "fa4_jax_kvcache_v4", f"{KV_TARGET=}"
     assert VL_TARGET == "fa4_jax_varlen_v1", f"{VL_TARGET=}"
+
+
+@pytest.mark.parametrize("max_seqlen_q,listed", [(1, False), (16, False), (17, False), (32, False), (33, True), (300, True)])
+def test_ragged_lowering_sends_a_tile_list_when_sequences_span_tiles(max_seqlen_q, listed):
+    # 8 q-heads over 2 KV heads: 4 packed rows per query. A ragged call whose longest sequence fits one
+    # tile (64 rows up to 16 queries, 128 up to 32) runs every sequence's single tile; longer ones get
+    # the lowering's list of the tiles with rows (ops/kvcache/tiles.py): 2 * (ceil(total_q * 4 /
+    # tile_m) + b + 1) entries.
+    from fa4_jax.ops.kvcache.spec import tile_m_for
+    total_q, b = 333, 5
+    q = jax.ShapeDtypeStruct((1, total_q, H_Q, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, CAPACITY, H_K, D), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    tile_m = tile_m_for(max_seqlen_q * (H_Q // H_K))
+
+    def f(q, k, v, lens, cu):
+        return fa4_kvcache_p.bind(q, k, v, lens, cu, softmax_scale=0.125, window_left=-1, window_right=0,
+                                  softcap=0.0, has_sinks=False, paged=False, ragged=True, max_seqlen_q=max_seqlen_q,
+                                  tile_m=tile_m, page_rows=16, num_splits=0, implementation="auto")
+
+    _, text = export_text(f, [q, kv, kv, i32(b), i32(b + 1)], ["cuda"])
+    line = call_line(text, KV_TARGET)
+    operands, _ = signature(line)
+    entries = 2 * (-(-total_q * (H_Q // H_K) // tile_m) + b + 1) if listed else 0
+    assert operands[6] == tensor((entries,), "i32"), f"{operands=}"
+    assert f"has_tile_list = {'true' if listed else 'false'}" in line
 
 
 # -- fa4_kvcache: CUDA lowering -------------------------------------------------------------------
@@ -162,27 +189,29 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     assert custom_calls(text) == [KV_TARGET], f"{custom_calls(text)=}"
     line = call_line(text, KV_TARGET)
 
-    # Seven operands always: q, k, v, cache_seqlens, page_table, cu_seqlens_q, sinks.
+    # Eight operands always: q, k, v, cache_seqlens, page_table, cu_seqlens_q, tile_list, sinks.
     names = operand_names(line, KV_TARGET)
-    assert len(names) == 7, f"{names=}"
+    assert len(names) == 8, f"{names=}"
     assert names[:4] == ["%arg0", "%arg1", "%arg2", "%arg3"], f"{names=}"
     if paged:
         assert names[4] == "%arg4", f"the page table must be passed as is: {names=}"
     else:
         assert is_splat(text, names[4], (0, 0), "i32", "0"), f"page_table operand {names[4]} is not a (0, 0) array"
     assert is_splat(text, names[5], (0,), "i32", "0"), f"cu_seqlens_q operand {names[5]} is not a (0,) array"
+    assert is_splat(text, names[6], (0,), "i32", "0"), f"tile_list operand {names[6]} is not a (0,) array"
     if with_sinks:
-        assert names[6] == f"%arg{4 + paged}", f"{names=}"
+        assert names[7] == f"%arg{4 + paged}", f"{names=}"
         assert NEG_INF_F32 not in text, "given sinks must not be replaced by the -inf default"
     else:
-        assert is_splat(text, names[6], (H_Q,), "f32", NEG_INF_F32), f"sinks operand {names[6]} is not -inf"
+        assert is_splat(text, names[7], (H_Q,), "f32", NEG_INF_F32), f"sinks operand {names[7]} is not -inf"
 
     cap = num_splits or AUTO_CAP[paged]
     kv_type = tensor((NUM_PAGES, PAGE_SIZE, H_K, D) if paged else (B, CAPACITY, H_K, D), "bf16")
     operands, results = signature(line)
     assert operands == [
         tensor((B, S_Q, H_Q, D), "bf16"), kv_type, kv_type, tensor((B,), "i32"),
-        tensor((B, MAX_PAGES) if paged else (0, 0), "i32"), tensor((0,), "i32"), tensor((H_Q,), "f32"),
+        tensor((B, MAX_PAGES) if paged else (0, 0), "i32"), tensor((0,), "i32"), tensor((0,), "i32"),
+        tensor((H_Q,), "f32"),
     ], f"{operands=}"
     assert results == [
         tensor((B, S_Q, H_Q, D), "bf16"), tensor((B, H_Q, S_Q), "f32"),
@@ -192,7 +221,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
 
     # Typed-FFI attributes with the types ffi/kvcache.cc decodes.
     for attribute in (f"num_splits = {num_splits} : i32", f"has_page_table = {'true' if paged else 'false'}",
-                      "has_cu_seqlens_q = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32", "page_rows = 16 : i32",
+                      "has_cu_seqlens_q = false", "has_tile_list = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32", "page_rows = 16 : i32",
                       "softmax_scale = 6.250000e-02 : f32", "softcap = 3.000000e+01 : f32",
                       "window_left = 100 : i32", "window_right = 0 : i32"):
         assert attribute in line, f"{attribute=} missing from {line}"
@@ -206,7 +235,7 @@ def test_kvcache_cuda_lowering_converts_sinks_to_float32():
     f = lambda q, k, v, lens, table, sinks: kv_bind(q, k, v, lens, table, sinks)  # noqa: E731
     _, text = export_text(f, args, ["cuda"])
     names = operand_names(call_line(text, KV_TARGET), KV_TARGET)
-    convert = rf"{re.escape(names[6])} = stablehlo\.convert %arg5 : \(tensor<8xbf16>\) -> tensor<8xf32>"
+    convert = rf"{re.escape(names[-1])} = stablehlo\.convert %arg5 : \(tensor<8xbf16>\) -> tensor<8xf32>"
     assert re.search(convert, text), "bf16 sinks must be converted to float32"
 
 
@@ -441,8 +470,9 @@ def test_kvcache_vmap_is_one_custom_call(paged, with_sinks, in_axes):
     assert operands[1] == operands[2] == tensor(cache_type.shape, "bf16"), f"{operands=}"
     assert operands[3] == tensor((b,), "i32"), f"{operands=}"
     assert operands[4] == (tensor((b, 8), "i32") if paged else tensor((0, 0), "i32")), f"{operands=}"
-    assert operands[5] == tensor((0,), "i32"), f"{operands=}"
-    assert operands[6] == tensor((h_q,), "f32"), f"{operands=}"
+    assert operands[5] == tensor((0,), "i32"), f"{operands=}"  # no cu_seqlens_q
+    assert operands[6] == tensor((0,), "i32"), f"{operands=}"  # no tile list
+    assert operands[7] == tensor((h_q,), "f32"), f"{operands=}"
     assert results == [tensor((b, S_Q, h_q, D), "bf16"), tensor((b, h_q, S_Q), "f32"),
                        tensor((cap, b, S_Q, h_q, D), "f32"), tensor((cap, b, h_q, S_Q), "f32")], f"{results=}"
     for attribute in ("window_left = 16 : i32", "window_right = 0 : i32", "softcap = 5.000000e+00 : f32",

@@ -59,20 +59,25 @@ def fold_query_slices(q, dq, sinks, ds, size: int, heads_kv: int):
 @dataclass(frozen=True)
 class OperandLayout:
     """The primitive's operands: the family's call operands in ABI order, those named in `optional`
-    present only when the boolean param `optional[name]` is True."""
+    present only when the boolean param `optional[name]` is True, less those in `lowered` (operands
+    the lowering derives from the others, e.g. the kvcache tile list: never the primitive's)."""
 
     family: KernelFamily
     optional: dict  # operand name -> the primitive's presence param (e.g. {"sinks": "has_sinks"})
+    lowered: tuple = ()
 
     def __post_init__(self):
         names = [b.name for b in self.family.call.operands]
-        bad = set(self.optional) - set(names)
+        bad = (set(self.optional) | set(self.lowered)) - set(names)
         if bad:
             raise ValueError(f"{self.family.name}: {sorted(bad)} are not operands of its call ({names})")
+        not_optional = [b.name for b in self.family.call.operands if b.name in self.lowered and not b.optional]
+        if not_optional:
+            raise ValueError(f"{self.family.name}: lowering-derived operands must be optional in the call: {not_optional}")
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(b.name for b in self.family.call.operands)
+        return tuple(b.name for b in self.family.call.operands if b.name not in self.lowered)
 
     def present(self, params: dict) -> tuple[str, ...]:
         return tuple(n for n in self.names if n not in self.optional or params[self.optional[n]])

@@ -176,6 +176,7 @@ class FlashAttentionForwardSm90:
         mPageTable: cute.Tensor,  # (b, max_pages) int32 (paged only)
         mSeqlensK: cute.Tensor,  # (b,) int32
         mCuSeqlensQ: cute.Tensor,  # (b + 1,) int32 (ragged only)
+        mTileList: cute.Tensor,  # (2 * n_listed,) int32 (sequence, m_block) pairs (ragged, n_listed > 0)
         mO: cute.Tensor,  # (qb, s_q, h_q, d)
         mLSE: cute.Tensor,  # (qb, h_q, s_q) float32
         mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
@@ -188,6 +189,7 @@ class FlashAttentionForwardSm90:
         num_splits: Int32,
         ragged: Int32,  # 1: sequence b's rows are [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of s_q
         max_seqlen_q: Int32,  # bounds every sequence's rows (s_q when not ragged): the grid
+        n_listed: Int32,  # > 0: the grid is mTileList's tiles (ops/kvcache/tiles.py), else every m-block
         stream: cuda.CUstream,
     ):
         self.expect(Seqlens.CACHE)
@@ -199,13 +201,16 @@ class FlashAttentionForwardSm90:
         num_m_blocks = cute.ceil_div(max_seqlen_q * qhead_per_kv, self.cfg.tile_m)
         # One CTA per tile: "max_ctas" = every tile. A ragged batch adds the pseudo-batch that
         # writes the rows no sequence owns.
+        # A tile list replaces the (m_block, sequence) grid by its n_listed entries.
         batches = mSeqlensK.shape[0] + ragged
-        total = num_m_blocks * mK.shape[2] * batches * num_splits
-        grid = StaticPersistentTileScheduler.grid(num_m_blocks, mK.shape[2], batches, total, num_splits)
+        listed = cutlass.min(n_listed, 1)
+        blocks_x_batches = listed * n_listed + (1 - listed) * num_m_blocks * batches
+        total = blocks_x_batches * mK.shape[2] * num_splits
+        grid = StaticPersistentTileScheduler.grid(blocks_x_batches, mK.shape[2], 1, total, num_splits)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                     window_left, window_right, mPageTable=mPageTable, mSeqlensK=mSeqlensK, mOaccum=mOaccum,
                     mLSEaccum=mLSEaccum, mCuSeqlensQ=mCuSeqlensQ, num_splits=num_splits, kv_len=mK.shape[0],
-                    num_m_blocks=num_m_blocks, ragged=ragged)
+                    num_m_blocks=num_m_blocks, ragged=ragged, mTileList=mTileList, n_listed=n_listed)
         if num_splits > 1:
             rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
             SplitCombineSm90(self.cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits,
@@ -224,7 +229,7 @@ class FlashAttentionForwardSm90:
     def launch(self, grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                window_left, window_right, mPageTable=None, mSeqlensK=None, mOaccum=None, mLSEaccum=None,
                mCuSeqlensQ=None, mCuSeqlensK=None, mSequsedK=None, num_splits=None, kv_len=None,
-               num_m_blocks=None, ragged=None):
+               num_m_blocks=None, ragged=None, mTileList=None, n_listed=None):
         """TMA descriptors, shared storage and the launch of `kernel`, for the seams' tensors (the
         others None). K/V, and Q and O where TMA moves them, are (rows, d, h[, b]) here."""
         cfg, seams = self.cfg, self.seams
@@ -259,8 +264,9 @@ class FlashAttentionForwardSm90:
 
         self.kernel(
             mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+            mTileList,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
-            window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, sQ_layout, sKV_layout,
+            window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
             tiled_mma_qk, tiled_mma_pv,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -412,6 +418,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSequsedK: Optional[cute.Tensor],
+        mTileList: Optional[cute.Tensor],  # KV cache: (sequence, m_block) pairs when n_listed > 0
         mSinks: cute.Tensor,
         tma_atom_Q: Optional[cute.CopyAtom],
         tma_atom_K: Optional[cute.CopyAtom],  # None: K/V gathered by cp.async (kv_gather)
@@ -425,6 +432,7 @@ class FlashAttentionForwardSm90:
         kv_len: Optional[Int32],  # KV cache: contiguous: capacity; paged: page_size
         num_m_blocks: Optional[Int32],  # varlen / KV cache: from max_seqlen_q
         ragged: Optional[Int32],  # KV cache: rows from cu_seqlens_q
+        n_listed: Optional[Int32],  # KV cache: entries of mTileList (0: no list)
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
@@ -449,7 +457,7 @@ class FlashAttentionForwardSm90:
 
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
-                                                    num_m_blocks, ragged)
+                                                    num_m_blocks, ragged, mTileList, n_listed)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if const_expr(self.kv_gather):  # the whole producer warpgroup gathers K/V rows
@@ -466,7 +474,8 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-                          window_left, window_right, num_splits, kv_len, num_m_blocks, ragged):
+                          window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, mTileList=None,
+                          n_listed=None):
         """The tile scheduler and the TileProblem of the seqlens seam: (m_block, head, batch) tiles
         of dense (s, d, h, b) tensors; of packed (t, d, h) ones, plus the padding pseudo-batch; of
         pack-GQA rows per KV head, times num_splits (ragged: plus the padding pseudo-batch)."""
@@ -490,7 +499,7 @@ class FlashAttentionForwardSm90:
             qhead_per_kv = mQ.shape[2] // mK.shape[2]
             num_batch = mSeqlensK.shape[0]
             scheduler = StaticPersistentTileScheduler.create(num_m_blocks, mK.shape[2], num_batch + ragged,
-                                                             num_splits)
+                                                             num_splits, mTileList=mTileList, n_listed=n_listed)
             capacity = kv_len * (mPageTable.shape[1] if const_expr(self.seams.kv_load is KVLoad.PAGED) else 1)
             problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
                                   mCuSeqlensQ=mCuSeqlensQ, num_batch=num_batch, num_m_blocks=num_m_blocks,

@@ -45,12 +45,12 @@ def _fake_o_accum(head_dim: int):
 def compile_variant(variant: KVCacheVariant):
     dtype = DTYPES[variant.dtype]
     q, k, v, o = (fake_bshd(dtype, variant.head_dim) for _ in range(4))
-    page_table, seqlens, cu_seqlens_q = _fake_i32(2), _fake_i32(1), _fake_i32(1)
+    page_table, seqlens, cu_seqlens_q, tile_list = _fake_i32(2), _fake_i32(1), _fake_i32(1), _fake_i32(1)
     lse, lse_accum = fake_f32(3), fake_f32(4)
     o_accum = _fake_o_accum(variant.head_dim)
     sinks = fake_f32(1, unit_stride=False)
     f32, i32 = cutlass.Float32(1.0), cutlass.Int32(1)
     return cute.compile(
-        make_kernel(variant), q, k, v, page_table, seqlens, cu_seqlens_q, o, lse, o_accum, lse_accum, sinks,
-        f32, f32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
+        make_kernel(variant), q, k, v, page_table, seqlens, cu_seqlens_q, tile_list, o, lse, o_accum, lse_accum,
+        sinks, f32, f32, i32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
     )

@@ -10,6 +10,10 @@ the kernel overlaps one tile's epilogue with the next tile's loads. With max_cta
 plain one-CTA-per-tile launch. Tile indices run m-blocks fastest, so that the CTAs working at the
 same time share one (head, batch)'s K/V in L2; `lpt` (causal and windowed masks) walks m-blocks from
 the last one, which sees the most keys (longest processing time first shortens the tail).
+
+A tile list (ragged KV-cache calls, ops/kvcache/tiles.py) replaces the (m_block, batch) part of the
+index: tile t of the list is (mTileList[2t], mTileList[2t + 1]) = (batch, m_block), with heads and
+splits fastest, so all of one listed (sequence, m_block)'s work starts together, in list order.
 """
 
 from __future__ import annotations
@@ -52,12 +56,18 @@ class StaticPersistentTileScheduler:
     total: Int32  # tiles in all
     num_splits: Int32 | int = 1
     lpt: bool = False
+    mTileList: cute.Tensor | None = None  # (2 * n_listed,) int32 (batch, m_block) pairs
+    n_listed: Int32 | None = None  # > 0: tiles come from mTileList
 
     @staticmethod
     def create(num_m_blocks: Int32, num_heads: Int32, num_batch: Int32, num_splits: Int32 | int = 1,
-               lpt: bool = False) -> "StaticPersistentTileScheduler":
+               lpt: bool = False, mTileList: cute.Tensor | None = None,
+               n_listed: Int32 | None = None) -> "StaticPersistentTileScheduler":
         total = num_m_blocks * num_heads * num_batch * num_splits
-        return StaticPersistentTileScheduler(num_m_blocks, num_heads, total, num_splits, lpt)
+        if const_expr(mTileList is not None):
+            listed = cutlass.min(n_listed, 1)
+            total = listed * n_listed * num_heads * num_splits + (1 - listed) * total
+        return StaticPersistentTileScheduler(num_m_blocks, num_heads, total, num_splits, lpt, mTileList, n_listed)
 
     @staticmethod
     def grid(num_m_blocks, num_heads, num_batch, max_ctas, num_splits=1) -> tuple:
@@ -84,4 +94,14 @@ class StaticPersistentTileScheduler:
         batch = rest // self.num_heads
         if const_expr(self.lpt):
             m_block = self.num_m_blocks - 1 - m_block
+        if const_expr(self.mTileList is not None):
+            if self.n_listed > 0:
+                rest = idx
+                if const_expr(not (isinstance(self.num_splits, int) and self.num_splits == 1)):
+                    split = rest % self.num_splits
+                    rest = rest // self.num_splits
+                head = rest % self.num_heads
+                t = rest // self.num_heads
+                batch = self.mTileList[2 * t]
+                m_block = self.mTileList[2 * t + 1]
         return WorkTile(m_block, head, batch, split)

@@ -28,8 +28,10 @@ from fa4_jax.ops.kvcache import sharding
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
 from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, PAGE_ROWS, SPLIT_BLOCK_KEYS, auto_split_capacity
+from fa4_jax.ops.kvcache.tiles import ragged_tile_list
 
-OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks"})
+OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks"},
+                         lowered=("tile_list",))
 
 
 def _split(operands, paged: bool, ragged: bool, has_sinks: bool):
@@ -123,6 +125,14 @@ def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, h
     table = named["page_table"]
     splits = split_capacity(named["q"].shape, named["k_cache"].shape, None if table is None else table.shape,
                             num_splits)
+    q, k = named["q"], named["k_cache"]
+    qhead_per_kv = q.shape[2] // k.shape[2]
+    if ragged and max_seqlen_q * qhead_per_kv > tile_m:
+        # More than one query tile per sequence is possible: run only the tiles with rows, longest
+        # first (tiles.py); a decode-only ragged call (one tile each) needs no list.
+        named["tile_list"] = ragged_tile_list(
+            named["cu_seqlens_q"], named["cache_seqlens"], total_q=q.shape[1], qhead_per_kv=qhead_per_kv,
+            tile_m=tile_m, capacity=k.shape[1] * (1 if table is None else table.shape[1]))
     return kernel_call(KVCACHE, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
                                             window_right=window_right, num_splits=num_splits,
                                             max_seqlen_q=max_seqlen_q, tile_m=tile_m, page_rows=page_rows),

@@ -127,6 +127,8 @@ _PARAMS = (
     Field("int32_t *", "page_table", "(b, max_pages) page ids; null (and max_pages 1) for a contiguous cache"),
     Field("int32_t *", "cache_seqlens", "(b,) valid keys per sequence"),
     Field("int32_t *", "cu_seqlens_q", "(b + 1,) ragged: each sequence's first row in q (qb = 1); else null"),
+    Field("int32_t *", "tile_list", "(2 * n_listed,) ragged: (sequence, m_block) of each tile to run, in launch "
+                                   "order; null = every m_block of every sequence"),
     Field("float *", "o_accum", "(splits, qb, s_q, h_q, d) per-split normalised O (workspace)"),
     Field("float *", "lse_accum", "(splits, qb, h_q, s_q) per-split LSE (workspace)"),
     Field("float *", "sinks", "(h_q,) per-head logits joining the softmax denominator; -inf = none"),
@@ -145,6 +147,7 @@ _PARAMS = (
     Field("int32_t", "num_splits", "KV splits of this call, 1 <= num_splits <= splits_cap"),
     Field("int32_t", "ragged", "1: rows from cu_seqlens_q (rows past cu_seqlens_q[b] get o = 0); 0: s_q per sequence"),
     Field("int32_t", "max_seqlen_q", "bounds every sequence's queries (s_q when not ragged): the grid's m-blocks"),
+    Field("int32_t", "n_listed", "tiles in tile_list (the grid's (sequence, m_block) tiles); 0 = no list"),
 )
 
 CALL = CallSignature(
@@ -158,6 +161,9 @@ CALL = CallSignature(
                optional=True),
         Buffer("cu_seqlens_q", "i32", ("b1",), "(b + 1,) ragged row offsets into q; absent = s_q rows each",
                optional=True),
+        Buffer("tile_list", "i32", ("n_tile_entries",),
+               "ragged: (sequence, m_block) pairs, the tiles to run in launch order (ragged_tile_list); "
+               "absent = every m_block of every sequence", optional=True),
         SINKS,
     ),
     results=(
@@ -190,7 +196,8 @@ KVCACHE = KernelFamily(
     name="kvcache",
     # v2: page_table optional (has_page_table), no `paged` attribute (v1 sent a dummy table and `paged`).
     # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q; q's extent 0 may differ from b).
-    target="fa4_jax_kvcache_v3",
+    # v4: an optional tile list (ragged: only the (sequence, m_block) tiles with rows, longest first).
+    target="fa4_jax_kvcache_v4",
     variant=KVCacheVariant,
     params=_PARAMS,
     tensors=(
@@ -200,6 +207,7 @@ KVCACHE = KernelFamily(
         TensorArg("mPageTable", "p.page_table", ("p.b", "p.max_pages"), ("p.max_pages",)),
         TensorArg("mSeqlensK", "p.cache_seqlens", ("p.b",), ("1",)),
         TensorArg("mCuSeqlensQ", "p.cu_seqlens_q", ("p.b + 1",), ("1",)),
+        TensorArg("mTileList", "p.tile_list", ("2 * p.n_listed",), ("1",)),
         _strided("mO", "o", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
         TensorArg("mLSE", "p.lse", ("p.qb", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
         TensorArg("mOaccum", "p.o_accum", ("p.splits_cap", "p.qb", "p.s_q", "p.h_q"),
@@ -209,7 +217,7 @@ KVCACHE = KernelFamily(
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
     ),
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
-                              "num_splits", "ragged", "max_seqlen_q"),
+                              "num_splits", "ragged", "max_seqlen_q", "n_listed"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
                          KeyField("page_rows", "int", int_literal)),
     enums={"Mask": MASKS},
