@@ -368,34 +368,44 @@ class FlashAttentionForwardSm90:
         )
 
     @cute.jit
-    def load_blocks(self, copy_k, copy_v, copy_q, pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max):
+    def load_blocks(self, copy_k, copy_v, copy_q, pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max,
+                    lookup=None):
         """The producer's order for one tile: K of the first (highest) block, then Q (copy_q, unless
         None: pack-GQA consumers gather Q themselves), then K_{j-1} and V_j in turn, V of the lowest
         block last -- the order the consumers use them. K comes before Q because its stage frees
         during the previous tile's last blocks, while Q's buffer frees only after that tile's last
-        QK gemm. copy_k / copy_v(n_block, stage, barrier), copy_q(barrier) issue the copies.
-        Returns the advanced (state, q_state)."""
+        QK gemm. copy_k / copy_v(n_block, stage, barrier, page, within), copy_q(barrier) issue the
+        copies. lookup(n_block) (paged caches: KVLoader.lookup) is issued one block ahead of the
+        copies that use it; K_j and V_j share one lookup. Returns the advanced (state, q_state)."""
+        if const_expr(lookup is None):
+            lookup = lambda n: (Int32(0), Int32(0))  # noqa: E731 - contiguous: nothing to look up
         # producer_commit: a no-op for TMA (the copies complete the barrier's transaction bytes); the
         # cp.async gather's arrive on the full barrier once the thread's copies have landed.
+        k_page, k_within = lookup(n_block_max - 1)
+        next_page, next_within = lookup(n_block_max - 2)
         pipe_k.producer_acquire(state)
-        copy_k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state))
+        copy_k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state), k_page, k_within)
         pipe_k.producer_commit(state)
+        v_page, v_within = k_page, k_within
         if const_expr(copy_q is not None):
             pipe_q.producer_acquire(q_state)
             copy_q(pipe_q.producer_get_barrier(q_state))
             q_state.advance()
         for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
             n_prev = n_block_max - 1 - i
+            k_page, k_within = next_page, next_within
+            next_page, next_within = lookup(n_prev - 2)
             prev = state.clone()
             state.advance()
             pipe_k.producer_acquire(state)
-            copy_k(n_prev - 1, state.index, pipe_k.producer_get_barrier(state))
+            copy_k(n_prev - 1, state.index, pipe_k.producer_get_barrier(state), k_page, k_within)
             pipe_k.producer_commit(state)
             pipe_v.producer_acquire(prev)
-            copy_v(n_prev, prev.index, pipe_v.producer_get_barrier(prev))
+            copy_v(n_prev, prev.index, pipe_v.producer_get_barrier(prev), v_page, v_within)
             pipe_v.producer_commit(prev)
+            v_page, v_within = k_page, k_within
         pipe_v.producer_acquire(state)
-        copy_v(n_block_min, state.index, pipe_v.producer_get_barrier(state))
+        copy_v(n_block_min, state.index, pipe_v.producer_get_barrier(state), v_page, v_within)
         pipe_v.producer_commit(state)
         state.advance()
         return state, q_state
@@ -562,10 +572,11 @@ class FlashAttentionForwardSm90:
                 tQsQ, tQgQ = tma_tile_copy(tma_atom_Q, gQ, sQ)
                 state, q_state = self.load_blocks(
                     kv.k, kv.v, lambda bar: cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=bar),
-                    pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max)
+                    pipe_q, q_state, pipe_k, pipe_v, state, n_block_min, n_block_max,
+                    kv.lookup if const_expr(kv.paged) else None)
             else:
                 state, q_state = self.load_blocks(kv.k, kv.v, None, None, None, pipe_k, pipe_v, state,
-                                                  n_block_min, n_block_max)
+                                                  n_block_min, n_block_max, kv.lookup if const_expr(kv.paged) else None)
         return state, q_state
 
     @cute.jit

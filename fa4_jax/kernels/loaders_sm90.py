@@ -95,77 +95,85 @@ class KVLoader:
         return KVLoader(cfg, paged, tKgK, tKsK, tVgV, tVsV, tma_atom_K, tma_atom_V, None, None)
 
     @cute.jit
-    def k(self, n_block, stage, barrier):
-        self._copy(self.tma_atom_K, self.tKgK, self.tKsK, n_block, stage, barrier)
-
-    @cute.jit
-    def v(self, n_block, stage, barrier):
-        self._copy(self.tma_atom_V, self.tVgV, self.tVsV, n_block, stage, barrier)
-
-    @cute.jit
-    def _copy(self, atom, g, s, n_block, stage, barrier):
+    def lookup(self, n_block):
+        """Paged: this lane's share of block n_block's page lookups, (page, position in the page) of
+        the piece (TMA: lane j, piece j) or of the row (gather: see _gather_rows) it owns, for the
+        copies to take by shuffle. One page-table load per lane for the whole block; load_blocks
+        issues it a block ahead of the copies that use it, so its latency (a dependent load in
+        front of every copy, then in front of every block: paged decode ran at 3.4 TB/s, page 1 at
+        0.8, then 2.6) hides behind the copies in flight. A block outside the table (the
+        look-ahead past the last one) reads its first or last entry; ids are clamped into the
+        pool. Contiguous: (0, 0), unused."""
         cfg = self.cfg
+        if const_expr(not self.paged):
+            return Int32(0), Int32(0)
+        lane = cute.arch.lane_idx()
+        if const_expr(self.page_rows == 1):
+            vec = 128 // self.tKgK.element_type.width
+            threads_per_row = cfg.head_dim // vec
+            rows_per_pass = 128 // threads_per_row
+            rows_per_warp_pass = 32 // threads_per_row
+            # Index i of the warp's tile_n / 4 rows: row (i // rpwp) * rows_per_pass + warp * rpwp + i % rpwp.
+            i = lane % (cfg.tile_n // 4)
+            row = (i // rows_per_warp_pass) * rows_per_pass + (self.tidx // 32) * rows_per_warp_pass \
+                + i % rows_per_warp_pass
+            unit = n_block * cfg.tile_n + row
+            per_page = self.page_size
+            num_pages = self.tKgK.shape[2]
+        else:
+            pieces = cfg.tile_n // self.page_rows
+            unit = n_block * pieces + lane % pieces
+            per_page = self.page_size // self.page_rows
+            num_pages = self.tKgK.shape[4]
+        entry = unit // per_page
+        within = unit - entry * per_page
+        entry = cutlass.max(cutlass.min(entry, self.page_row.shape[0] - 1), 0)
+        page = cutlass.max(cutlass.min(self.page_row[entry], num_pages - 1), 0)
+        return page, within
+
+    @cute.jit
+    def k(self, n_block, stage, barrier, page=None, within=None):
+        """K block n_block into `stage`; paged: (page, within) = lookup(n_block) of this lane."""
+        self._copy(self.tma_atom_K, self.tKgK, self.tKsK, n_block, stage, barrier, page, within)
+
+    @cute.jit
+    def v(self, n_block, stage, barrier, page=None, within=None):
+        self._copy(self.tma_atom_V, self.tVgV, self.tVsV, n_block, stage, barrier, page, within)
+
+    @cute.jit
+    def _copy(self, atom, g, s, n_block, stage, barrier, page, within):
+        cfg = self.cfg
+        if const_expr(self.paged and page is None):
+            page, within = self.lookup(n_block)
         if const_expr(self.paged and self.page_rows == 1):
-            self._gather_rows(g, s, n_block, stage)
+            self._gather_rows(g, s, stage, page, within)
         elif const_expr(self.paged):
-            page_rows = self.page_rows
-            pieces = cfg.tile_n // page_rows
-            pieces_per_page = self.page_size // page_rows
-            num_pages = g.shape[4]
-            s_pieces = cute.flat_divide(s[None, None, stage], (page_rows, cfg.head_dim))
-            # Lane j looks up piece j's page (all lanes at once; positions past the page table read
-            # its last entry, ids are clamped into the pool) and each box takes its page with a
-            # shuffle: one page-table latency per block instead of one per box in turn.
-            lane = cute.arch.lane_idx()
-            my_piece = n_block * pieces + lane % pieces
-            my_entry = my_piece // pieces_per_page
-            my_within = my_piece - my_entry * pieces_per_page
-            my_entry = cutlass.min(my_entry, self.page_row.shape[0] - 1)
-            my_page = cutlass.max(cutlass.min(self.page_row[my_entry], num_pages - 1), 0)
-            for j in cutlass.range_constexpr(pieces):
-                page = cute.arch.shuffle_sync(my_page, j)
-                within = cute.arch.shuffle_sync(my_within, j)
-                src = g[None, None, within, 0, page]
+            # Box j takes piece j's page from lane j.
+            s_pieces = cute.flat_divide(s[None, None, stage], (self.page_rows, cfg.head_dim))
+            for j in cutlass.range_constexpr(cfg.tile_n // self.page_rows):
+                src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
                 tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
                 cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
         else:
             cute.copy(atom, g[None, n_block], s[None, stage], tma_bar_ptr=barrier)
 
     @cute.jit
-    def _gather_rows(self, g, s, n_block, stage):
+    def _gather_rows(self, g, s, stage, my_page, my_slot):
         """One-row pieces (any page size): the producer warpgroup's 128 threads copy the block's rows
         with 16-byte cp.async. row_copy gives thread t the column chunk t % tpr (tpr = threads per
-        row) of rows pass * (128 / tpr) + t / tpr, so each warp copies tile_n / 4 rows <= 32. Row r
-        is key n_block * tile_n + r: slot pos % page_size of page page_table[pos // page_size]
-        (positions past the table read its last entry; ids are clamped into the pool).
-
-        Each lane looks up one of its warp's rows -- one division and one page-table load per call,
-        all lanes at once -- and each pass takes its row's (page, slot) from the owning lane with a
-        shuffle. Looking rows up pass by pass instead put a dependent global load and a division in
-        front of every pass (issue-bound at the producer's 24 registers: page size 1 ran at a
-        quarter of page 16's speed). The caller's producer_commit arrives on the stage's barrier when
-        the copies have landed."""
+        row) of rows pass * (128 / tpr) + t / tpr, so each warp copies tile_n / 4 rows <= 32; lane i
+        looked up the warp's i-th row (lookup), and each pass takes its row's (page, slot) from the
+        owning lane with a shuffle. Row r is key n_block * tile_n + r: slot pos % page_size of page
+        page_table[pos // page_size]. The caller's producer_commit arrives on the stage's barrier
+        when the copies have landed."""
         cfg = self.cfg
         copy_atom, tiled, vec = row_copy(g.element_type, cfg.head_dim, 128)
         threads_per_row = cfg.head_dim // vec
-        rows_per_pass = 128 // threads_per_row
         rows_per_warp_pass = 32 // threads_per_row
-        rows_per_warp = cfg.tile_n // 4
         thr = tiled.get_slice(self.tidx)
         tKsK = thr.partition_D(s[None, None, stage])
         tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
-        lane = cute.arch.lane_idx()
-        warp = self.tidx // 32
-        # The row this lane looks up: index i of its warp's rows, in pass i // rows_per_warp_pass.
-        i = lane % rows_per_warp
-        row = (i // rows_per_warp_pass) * rows_per_pass + warp * rows_per_warp_pass + i % rows_per_warp_pass
-        pos = n_block * cfg.tile_n + row
-        entry = pos // self.page_size
-        my_slot = pos - entry * self.page_size
-        num_pages = g.shape[2]
-        my_page = cutlass.max(cutlass.min(self.page_row[cutlass.min(entry, self.page_row.shape[0] - 1)],
-                                          num_pages - 1), 0)
-        src_lane_in_pass = lane // threads_per_row
+        src_lane_in_pass = cute.arch.lane_idx() // threads_per_row
         for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
             owner = m * rows_per_warp_pass + src_lane_in_pass
             slot = cute.arch.shuffle_sync(my_slot, owner)
