@@ -89,7 +89,7 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False) -> Sm90FwdConfig:
+def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False, paged: bool = False) -> Sm90FwdConfig:
     """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
     warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
     is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
@@ -101,6 +101,11 @@ def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False) -> Sm9
     del gather
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs = 24
+    if paged and tile_m == 64:
+        # The paged producer (page lookups, shuffles, row addresses) spills at 24 registers (a 88-96
+        # byte stack frame); at tile_m 64 the kernel launches with 240 registers x 256 threads, so
+        # the one consumer warpgroup keeps its 240 and the producer can keep 56.
+        producer_regs = 64
 
     # Two warpgroups take turns issuing their gemms (as the dense kernel does at hd <= 128), so that one's
     # softmax runs under the other's gemms: a chunk is compute-bound.
