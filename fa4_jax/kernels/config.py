@@ -94,17 +94,18 @@ def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False, paged:
     warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
     is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
     decode is bound by HBM bandwidth: each SM needs ~64 KB of loads in flight to draw its share of
-    4.3 TB/s. `gather` (one-row pages: the producer warpgroup copies K/V rows with cp.async) keeps
-    the producer's 24 registers: setmaxnreg only moves registers within the CTA's launch
-    allocation, which 2 x 240 + 24 per thread-slot fills at tile_m 128; a larger producer budget
-    (32, and 128 at tile_m 64) hung on the H200, as consumers wait for registers to raise to 240."""
+    4.3 TB/s. Producer registers: setmaxnreg only moves registers within the CTA's launch
+    allocation. At tile_m 128 that is 168 x 384 = 2 x 240 + 24 per thread slot, full: a producer
+    budget of 32 hung on the H200 (the consumers waited forever to rise to 240). At tile_m 64 it is
+    240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
+    64. `gather` (one-row pages, copied by the whole producer warpgroup) needs nothing more."""
     del gather
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs = 24
     if paged and tile_m == 64:
-        # The paged producer (page lookups, shuffles, row addresses) spills at 24 registers (a 88-96
-        # byte stack frame); at tile_m 64 the kernel launches with 240 registers x 256 threads, so
-        # the one consumer warpgroup keeps its 240 and the producer can keep 56.
+        # The paged producer spills at 24 registers (an 88-96 byte stack frame); at tile_m 64 the
+        # kernel launches with 240 registers x 256 threads, so the one consumer warpgroup keeps its
+        # 240 and the producer can keep 64 (frame 0; page-1 decode 2.5 -> 3.6 TB/s).
         producer_regs = 64
 
     # Two warpgroups take turns issuing their gemms (as the dense kernel does at hd <= 128), so that one's
