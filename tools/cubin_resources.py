@@ -1,79 +1,26 @@
 #!/usr/bin/env python3
 """Registers and stack frame of every kernel in the AOT-exported objects, read from the cubins
-inside them (no CUDA tools needed: this toolkit's ptxas is older than the DSL's PTX, and it ships no
-cuobjdump / nvdisasm).
+inside them (fa4_jax/aot/cubin.py; no CUDA tools needed).
 
     python tools/cubin_resources.py                          # build/inplace/kernels/*.o
     python tools/cubin_resources.py --only paged --frames    # variants with a stack frame only
 
-A stack frame (EIATTR_FRAME_SIZE > 0) in a kernel means local memory: usually spills. The paged
+A stack frame (EIATTR_FRAME_SIZE > 0) means local memory: usually register spills. The paged
 KV-cache producer spilled at 24 registers (88-96 bytes), which is why kvcache_config gives it 64 at
-tile_m 64. REGCOUNT is the launch allocation per thread: setmaxnreg can only move registers within
-registers x threads of the CTA, so a larger warpgroup budget than that allocation holds would hang.
+tile_m 64. `regs` is the launch allocation per thread, which the build checks against the
+warpgroups' setmaxnreg budgets (fa4_jax/aot/worker.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import struct
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EIATTR_REGCOUNT, EIATTR_FRAME_SIZE = 0x2F, 0x12
+sys.path.insert(0, str(ROOT))
 
-
-def _sections(elf: bytes):
-    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
-    strtab = headers[shstrndx][4]
-    for name, _type, _flags, _addr, off, size in headers:
-        yield elf[strtab + name:elf.index(b"\0", strtab + name)].decode(), off, size
-
-
-def _symbols(elf: bytes) -> dict[int, str]:
-    """Symbol index -> name, from .symtab and its string table."""
-    secs = {n: (o, s) for n, o, s in _sections(elf)}
-    if ".symtab" not in secs or ".strtab" not in secs:
-        return {}
-    (so, ss), (to, _) = secs[".symtab"], secs[".strtab"]
-    out = {}
-    for i in range(ss // 24):
-        name = struct.unpack_from("<I", elf, so + 24 * i)[0]
-        out[i] = elf[to + name:elf.index(b"\0", to + name)].decode()
-    return out
-
-
-def kernel_resources(obj: Path) -> dict[str, dict[str, int]]:
-    """{kernel name: {"regs": n, "frame": bytes}} for the cubin embedded in an exported object."""
-    data = obj.read_bytes()
-    starts = [m.start() for m in re.finditer(b"\x7fELF", data)]
-    out: dict[str, dict[str, int]] = {}
-    for start in starts[1:]:  # the first ELF is the host object itself
-        elf = data[start:]
-        if struct.unpack_from("<H", elf, 0x12)[0] != 190:  # EM_CUDA
-            continue
-        names = _symbols(elf)
-        for name, off, size in _sections(elf):
-            if name != ".nv.info":
-                continue
-            p = off
-            while p < off + size:
-                fmt, attr = elf[p], elf[p + 1]
-                if fmt == 4:  # EIFMT_SVAL: u16 size, payload
-                    n = struct.unpack_from("<H", elf, p + 2)[0]
-                    payload, p = elf[p + 4:p + 4 + n], p + 4 + n
-                elif fmt == 3:  # EIFMT_HVAL: u16 inline
-                    payload, p = elf[p + 2:p + 4], p + 4
-                else:
-                    payload, p = b"", p + 2
-                if attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE) and len(payload) == 8:
-                    sym, value = struct.unpack_from("<II", payload)
-                    key = "regs" if attr == EIATTR_REGCOUNT else "frame"
-                    out.setdefault(names.get(sym, f"sym{sym}"), {})[key] = value
-    return out
+from fa4_jax.aot.cubin import kernel_resources  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -37,11 +37,29 @@ def compile_one(symbol: str, out_dir: str) -> dict:
                 src = Path(tmp) / f"{symbol}{ext}"
                 if not src.is_file():
                     raise AotError(f"export_to_c did not write {src.name}")
-                os.replace(src, Path(out_dir) / f"{symbol}{ext}")
+            _check_register_pool(importlib.import_module(module_name), variant, Path(tmp) / f"{symbol}.o")
+            for ext in (".h", ".o"):
+                os.replace(Path(tmp) / f"{symbol}{ext}", Path(out_dir) / f"{symbol}{ext}")
         t3 = time.perf_counter()
         return {"symbol": symbol, "import_s": t1 - t0, "compile_s": t2 - t1, "export_s": t3 - t2}
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
         return {"symbol": symbol, "error": traceback.format_exc()}
+
+
+def _check_register_pool(module, variant, obj: Path) -> None:
+    """A variant whose warpgroup register budgets exceed its launch allocation would hang on the GPU
+    (cubin.register_pool_problem): fail the build instead. The budgets come from the kernel object
+    the family's make_kernel builds (its `cfg`), the allocation from the exported cubin."""
+    from fa4_jax.aot.cubin import kernel_resources, register_pool_problem
+
+    make_kernel = getattr(module, "make_kernel", None)
+    cfg = getattr(getattr(make_kernel(variant), "__self__", None), "cfg", None) if make_kernel else None
+    if cfg is None or not hasattr(cfg, "producer_regs"):
+        return
+    budgets = [cfg.consumer_regs] * cfg.num_consumer_wg + [cfg.producer_regs]
+    problem = register_pool_problem(kernel_resources(obj), cfg.num_threads, budgets, "FlashAttentionForward")
+    if problem:
+        raise AotError(f"{variant.symbol}: {problem}")
 
 
 def compile_all(symbols: list[str], out_dir: Path, jobs: int, on_done) -> None:

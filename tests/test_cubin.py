@@ -1,0 +1,46 @@
+"""The build's register-pool check and the cubin reader behind it (fa4_jax/aot/cubin.py), on the
+built library's own cubins (CPU-only)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fa4_jax.aot.cubin import cubin_resources, register_pool_problem
+from fa4_jax.core import library as _ffi
+
+ATTN = "kernel_cutlass_kernel_fa4_jaxkernelsfwd_sm90FlashAttentionForwardSm90_x"
+COMBINE = "kernel_cutlass_combine_fa4_jaxkernelscombine_sm90SplitCombineSm90_x"
+
+
+def test_register_pool_fits_or_names_the_shortfall():
+    # tile_m 128: 2 x 240 + 24 registers per thread slot, launched with 168 x 384 = 64512: fits exactly.
+    res = {ATTN: {"regs": 168, "frame": 0}, COMBINE: {"regs": 33, "frame": 0}}
+    assert register_pool_problem(res, 384, [240, 240, 24], "FlashAttentionForward") is None
+    # A 32-register producer needs 65536 > 64512: the consumers would wait forever to rise to 240.
+    msg = register_pool_problem(res, 384, [240, 240, 32], "FlashAttentionForward")
+    assert msg is not None and "need 65536 registers" in msg and "168 x 384 = 64512" in msg, msg
+    # tile_m 64 with a 64-register producer: 240 x 256 holds 240 + 64 per slot.
+    assert register_pool_problem({ATTN: {"regs": 240}}, 256, [240, 64], "FlashAttentionForward") is None
+    # Only the kernels the budgets belong to count (the combine kernel has no setmaxnreg).
+    assert register_pool_problem({COMBINE: {"regs": 33}}, 384, [240, 240, 24], "FlashAttentionForward") is None
+
+
+def test_library_cubins_are_read():
+    """One cubin per variant in the library, each with an attention kernel whose launch registers the
+    reader finds (the numbers the build checks every variant's budgets against)."""
+    path = _ffi.library_path()
+    if path is None:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI builds the library, yet: {_ffi.library_status()}")
+        pytest.skip(f"no kernel library: {_ffi.library_status()}")
+    import ctypes
+    lib = ctypes.CDLL(str(path))
+    lib.fa4_jax_num_variants.restype = ctypes.c_int
+    cubins = cubin_resources(path)
+    assert len(cubins) == lib.fa4_jax_num_variants(), (len(cubins), lib.fa4_jax_num_variants())
+    for kernels in cubins:
+        attn = [r for name, r in kernels.items() if "FlashAttentionForward" in name]
+        assert len(attn) == 1, kernels
+        assert 24 <= attn[0]["regs"] <= 255, attn
