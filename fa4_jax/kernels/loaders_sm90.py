@@ -132,19 +132,18 @@ class KVLoader:
         return page, within
 
     @cute.jit
-    def k(self, n_block, stage, barrier, page=None, within=None):
-        """K block n_block into `stage`; paged: (page, within) = lookup(n_block) of this lane."""
+    def k(self, n_block, stage, barrier, page, within):
+        """K block n_block into `stage`; paged: (page, within) = lookup(n_block) of this lane (load_blocks
+        issues it a block ahead), ignored for a contiguous cache."""
         self._copy(self.tma_atom_K, self.tKgK, self.tKsK, n_block, stage, barrier, page, within)
 
     @cute.jit
-    def v(self, n_block, stage, barrier, page=None, within=None):
+    def v(self, n_block, stage, barrier, page, within):
         self._copy(self.tma_atom_V, self.tVgV, self.tVsV, n_block, stage, barrier, page, within)
 
     @cute.jit
     def _copy(self, atom, g, s, n_block, stage, barrier, page, within):
         cfg = self.cfg
-        if const_expr(self.paged and page is None):
-            page, within = self.lookup(n_block)
         if const_expr(self.paged and self.page_rows == 1):
             self._gather_rows(g, s, stage, page, within)
         elif const_expr(self.paged):
