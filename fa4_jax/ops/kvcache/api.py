@@ -55,9 +55,11 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         belong to no sequence (o = 0, lse = -inf or the sink logit). One kernel launch reads the cache in
         place (pack-GQA, split-KV with num_splits as below), at any page size.
       max_seqlen_q: optional static bound on a ragged batch's queries per sequence (default: total_q;
-        only with cu_seqlens_q). It sizes the kernel's grid and picks its query tile, so a tight bound
-        (1 for pure decode, the chunk size for chunked prefill) launches fewer empty tiles. It must hold:
-        queries of a sequence past max_seqlen_q are not computed.
+        only with cu_seqlens_q). It picks the kernel's query tile (64 rows while max_seqlen_q x q-heads
+        per KV head fit in 64, else 128): when every sequence fits one tile the kernel runs one tile
+        per sequence, otherwise the tiles that hold rows, listed from cu_seqlens_q. A tight bound (1
+        for pure decode, the chunk size for chunked prefill) thus picks the smaller tile and skips the
+        list. It must hold: the results of a sequence's queries past max_seqlen_q are unspecified.
       page_table: None, or int32 (batch, max_pages) page ids of each sequence.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`.
       num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
@@ -91,8 +93,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=False, max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2]),
-                  page_rows=page_rows_for(k_cache.shape[1]) if paged else PAGE_ROWS,
-                  num_splits=num_splits or 0)
+                  page_rows=_page_rows(k_cache, paged), num_splits=num_splits or 0)
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
     implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
                                             head_dim, KVCACHE_HEAD_DIMS, "KV-cache",
@@ -110,6 +111,11 @@ def _tile_m(rows_per_sequence, heads_q, heads_kv) -> int:
     if not (isinstance(rows_per_sequence, int) and isinstance(heads_q, int) and isinstance(heads_kv, int)):
         return tile_m_for(1 << 30)
     return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1))
+
+
+def _page_rows(k_cache, paged: bool) -> int:
+    """The kernel's page pieces (variant field page_rows): spec.page_rows_for a paged cache's page size."""
+    return page_rows_for(k_cache.shape[1]) if paged else PAGE_ROWS
 
 
 def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, page_table, causal, softmax_scale,
@@ -136,7 +142,7 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=True, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
                   tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2]),
-                  page_rows=page_rows_for(k_cache.shape[1]) if paged else PAGE_ROWS, num_splits=num_splits or 0)
+                  page_rows=_page_rows(k_cache, paged), num_splits=num_splits or 0)
     q4 = jnp.asarray(q)[None]
     operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks) if x is not None)
     implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
