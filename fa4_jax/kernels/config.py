@@ -96,12 +96,18 @@ def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False, paged:
     decode is bound by HBM bandwidth: each SM needs ~64 KB of loads in flight to draw its share of
     4.3 TB/s. Producer registers: setmaxnreg only moves registers within the CTA's launch
     allocation. At tile_m 128 that is 168 x 384 = 2 x 240 + 24 per thread slot, full: a producer
-    budget of 32 hung on the H200 (the consumers waited forever to rise to 240). At tile_m 64 it is
+    budget of 32 hung on the H200 (the consumers waited forever to rise to 240); a paged one trades
+    8 registers of each consumer for 16 more of its own. At tile_m 64 it is
     240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
     64. `gather` (one-row pages, copied by the whole producer warpgroup) needs nothing more."""
     del gather
     tile_n = 128 if head_dim <= 128 else 64
-    producer_regs = 24
+    producer_regs, consumer_regs = 24, 240
+    if paged and tile_m == 128:
+        # The launch allocation is full (2 x 240 + 24 = 3 x 168) and the paged producer spilled at 24
+        # (a 24-104 byte frame). 2 x 232 + 40 fills it exactly; the consumers do not spill at 232
+        # (frame 0 at every head dim) and the producer does not at 40.
+        producer_regs, consumer_regs = 40, 232
     if paged and tile_m == 64:
         # The paged producer spills at 24 registers (an 88-96 byte stack frame); at tile_m 64 the
         # kernel launches with 240 registers x 256 threads, so the one consumer warpgroup keeps its
@@ -113,7 +119,7 @@ def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False, paged:
     pingpong = tile_m == 128 and head_dim <= 128
 
     def config(stages: int) -> Sm90FwdConfig:
-        return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, 240, producer_regs, head_dim > 128, pingpong,
+        return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False)
 
     stages = 2
