@@ -56,7 +56,7 @@ def test_kvcache_paged_options(case, page_size):
 
 
 @KV_FAMILY
-@pytest.mark.parametrize("hd", [64, 256])
+@pytest.mark.parametrize("hd", [64, 96, 192, 256])
 def test_kvcache_other_head_dims(hd):
     kvcache_case(implementation="fa4", poison=np.nan, where="tile", opts=dict(causal=True), s_q=2, hd=hd)
 
@@ -69,7 +69,7 @@ def test_varlen_neighbouring_sequence(poison, case):
 
 
 @VARLEN_FAMILY
-@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("hd", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("victim", [0, 1, 2])
 def test_varlen_each_victim(hd, victim):
     varlen_case(implementation="fa4", poison=np.nan, opts=dict(causal=True), victim=victim, hd=hd,

@@ -204,12 +204,25 @@ def test_kvcache_chunked_prefill(built, num_splits):
                 num_splits=num_splits)
 
 
-@pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64)])
+@pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64), ("bf16", 96),
+                                     ("fp16", 96), ("bf16", 192), ("fp16", 192)])
 def test_kvcache_dtypes_head_dims(built, dtype, hd):
     run_kv_case(built, b=2, s_q=2, h_q=16, h_k=4, lens=[333, 1000], capacity=1024, dtype=dtype, hd=hd,
                 opts=dict(causal=True, sinks=make_sinks(0, 16)))
     run_kv_case(built, b=2, s_q=1, h_q=16, h_k=4, lens=[2000, 47], capacity=2048, dtype=dtype, hd=hd,
                 page_size=64, seed=3)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 48], ids=["contiguous", "page1", "page48"])
+@pytest.mark.parametrize("hd", [64, 96, 192, 256])
+def test_kvcache_head_dims_pages_and_chunks(built, hd, page_size):
+    """Every head dim through every K/V path (contiguous TMA, 16-row TMA pieces, the one-row gather,
+    whose threads per row differ at 96 and 192: 4 and 8, three 16-byte chunks each) and both query
+    tiles: decode rows (64) with splits, a 70-query chunk (128) with every option."""
+    run_kv_case(built, b=3, s_q=1, h_q=16, h_k=4, lens=[1000, 0, 77], capacity=1024, hd=hd, page_size=page_size,
+                opts=dict(causal=True, sinks=make_sinks(0, 16)), num_splits=None, seed=hd)
+    run_kv_case(built, b=2, s_q=70, h_q=8, h_k=2, lens=[70, 900], capacity=1024, hd=hd, page_size=page_size,
+                opts=OPTION_CASES["everything"], num_splits=3, seed=hd + 1)
 
 
 def test_kvcache_vmap(built):

@@ -28,13 +28,13 @@ DECODE = ((700, 1, 300, 0, 767, 64, 5), (1, 1, 1, 0, 1, 1, 1))
 H_Q, H_K, HD, CAP = 8, 2, 128, 768
 
 
-def _case(seed, page_size, lens_counts=MIXED):
+def _case(seed, page_size, lens_counts=MIXED, hd=HD):
     LENS, COUNTS = lens_counts
     rng = np.random.default_rng(seed)
     b = len(LENS)
     cu = np.concatenate([[0], np.cumsum(COUNTS)]).astype(np.int32)
-    q = rng.standard_normal((int(cu[-1]) + 2, H_Q, HD), np.float32)
-    dense = [rng.standard_normal((b, CAP, H_K, HD), np.float32) for _ in range(2)]
+    q = rng.standard_normal((int(cu[-1]) + 2, H_Q, hd), np.float32)
+    dense = [rng.standard_normal((b, CAP, H_K, hd), np.float32) for _ in range(2)]
     for x in dense:
         for i, n in enumerate(LENS):
             x[i, n:] = np.nan
@@ -45,19 +45,19 @@ def _case(seed, page_size, lens_counts=MIXED):
         num_pages = b * max_pages + 5
         table = np.random.default_rng(seed + 1).permutation(num_pages)[:b * max_pages].astype(np.int32)
         table = table.reshape(b, max_pages)
-        k, v = (np.full((num_pages, page_size, H_K, HD), np.nan, np.float32) for _ in range(2))
+        k, v = (np.full((num_pages, page_size, H_K, hd), np.nan, np.float32) for _ in range(2))
         pad = ((0, 0), (0, max_pages * page_size - CAP), (0, 0), (0, 0))
         for x, d in ((k, dense[0]), (v, dense[1])):
-            x[table] = np.pad(d, pad, constant_values=np.nan).reshape(b, max_pages, page_size, H_K, HD)
+            x[table] = np.pad(d, pad, constant_values=np.nan).reshape(b, max_pages, page_size, H_K, hd)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     return bf(q), bf(k), bf(v), jnp.asarray(np.array(LENS, np.int32)), jnp.asarray(cu), table, dense
 
 
-def _variant(page_size, opts, max_rows):
+def _variant(page_size, opts, max_rows, hd=HD):
     left, right = opts.get("window_size", (-1, -1))
     mask = mask_kind(left, 0 if opts.get("causal") else right)
     softcap = opts.get("softcap", 0.0) > 0
-    return KVCacheVariant("sm90", "bf16", HD, mask, softcap, page_size is not None,
+    return KVCacheVariant("sm90", "bf16", hd, mask, softcap, page_size is not None,
                           tile_m_for(max_rows * (H_Q // H_K)), page_rows_for(page_size) if page_size else PAGE_ROWS)
 
 
@@ -65,13 +65,13 @@ def _variant(page_size, opts, max_rows):
 @pytest.mark.parametrize("options", ["causal", "everything"])
 @pytest.mark.parametrize("page_size", [None, 1, 5, 16, 48], ids=["contiguous", "page1", "page5", "page16", "page48"])
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
-def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options, num_splits):
+def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options, num_splits, hd=HD):
     opts = dict(OPTION_CASES[options])
     lens_counts = MIXED if batch == "mixed" else DECODE
     LENS, COUNTS = lens_counts
     hint = None if batch == "mixed" else 1  # mixed: max_seqlen_q = total_q (the 128-row tile)
-    q, k, v, lens, cu, table, dense = _case(130 + (page_size or 0), page_size, lens_counts)
-    require_variant(kernel_variants, _variant(page_size, opts, q.shape[0] if hint is None else hint))
+    q, k, v, lens, cu, table, dense = _case(130 + (page_size or 0) + hd, page_size, lens_counts, hd)
+    require_variant(kernel_variants, _variant(page_size, opts, q.shape[0] if hint is None else hint, hd))
     table = None if table is None else jnp.asarray(table)
     splits = num_splits
 
@@ -92,11 +92,19 @@ def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options
         if rows.start == rows.stop:
             continue
         kd, vd = (jnp.asarray(d[i:i + 1, :n], jnp.bfloat16) for d in dense)
-        ob, lb = attention_oracle(q[None, rows], kd, vd, softmax_scale=HD ** -0.5, xp=jnp, **opts)
+        ob, lb = attention_oracle(q[None, rows], kd, vd, softmax_scale=hd ** -0.5, xp=jnp, **opts)
         o_r, lse_r = o_r.at[rows].set(ob[0]), lse_r.at[:, rows].set(lb[0])
     assert bool(jnp.all(jnp.isfinite(o))), "a ragged row came out non-finite"
     check_against_reference((o[None], lse[None]), (o_x[None], lse_x[None]), (o_r[None], lse_r[None]),
-                            what=f"ragged {batch} page={page_size} {options} splits={num_splits}")
+                            what=f"ragged {batch} hd{hd} page={page_size} {options} splits={num_splits}")
+
+
+@pytest.mark.parametrize("page_size", [None, 5, 16], ids=["contiguous", "page5", "page16"])
+@pytest.mark.parametrize("hd", [64, 96, 192, 256])
+def test_ragged_head_dims(kernel_variants, hd, page_size):
+    """The mixed step at every other head dim (hd 128 above): 128-row chunk tiles and decode rows in
+    one launch, through each K/V path."""
+    test_ragged_kernel_matches_oracle(kernel_variants, "mixed", page_size, "everything", None, hd=hd)
 
 
 def test_ragged_kernel_is_one_launch_reading_pages_in_place(kernel_variants):

@@ -115,7 +115,8 @@ def test_varlen_max_seqlen_hints(built, max_seqlen_q):
     run_varlen_case(built, SEQS, opts=OPTION_CASES["everything"], max_seqlen_q=max_seqlen_q, seed=7)
 
 
-@pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64)])
+@pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64), ("bf16", 96),
+                                     ("fp16", 96), ("bf16", 192), ("fp16", 192)])
 def test_varlen_dtypes_head_dims(built, dtype, hd):
     run_varlen_case(built, SEQS, dtype=dtype, hd=hd, opts=dict(causal=True, sinks=make_sinks(0, 8)))
 

@@ -200,8 +200,6 @@ BAD_ARGS = {
                 r"q must have rank 3 \(total_tokens, heads, head_dim\); got q\.shape=\(1, 5, 4, 64\)"),
     "head_dim_80": (dict(d=80), {}, ValueError,
                     r"head_dim must be one of \(64, 96, 128, 192, 256\); got head_dim=80 \(q\.shape=\(5, 4, 80\)\)"),
-    "fa4_head_dim_96": (dict(d=96), dict(implementation="fa4"), RuntimeError,
-                        r'implementation="fa4" cannot run here: the varlen kernels support head_dim \(64, 128, 256\), got 96'),
     "triton": ({}, dict(implementation="triton"), ValueError,
                r'implementation must be None, "fa4", "cudnn" or "xla"; got implementation=\'triton\''),
     "causal_right_window_1": ({}, dict(causal=True, window_size=(4, 1)), ValueError,

@@ -62,14 +62,3 @@ def _resolve_cudnn(entry: str, operands: tuple, params: dict) -> str:
         if reason is not None:
             raise RuntimeError(f'implementation="cudnn" cannot run here: {reason}')
     return "cudnn"
-
-
-def resolve_with_head_dims(implementation, variant, head_dim: int, kernel_head_dims: tuple, entry_point: str,
-                           cudnn_call: tuple | None = None) -> str:
-    """resolve_implementation for an entry point whose kernels cover only `kernel_head_dims`: with
-    other head dims "fa4" raises before any library probe, None stays "auto" (the lowering then
-    picks cuDNN or the reference)."""
-    if head_dim not in kernel_head_dims and implementation == "fa4":
-        raise RuntimeError(f'implementation="fa4" cannot run here: the {entry_point} kernels support head_dim '
-                           f'{kernel_head_dims}, got {head_dim}; use implementation="xla" or None')
-    return resolve_implementation(implementation, variant, cudnn_call)

@@ -66,7 +66,7 @@ from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config import Sm90FwdConfig
 from fa4_jax.kernels.loaders_sm90 import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
-from fa4_jax.kernels.loaders_sm90 import tma_tile_copy
+from fa4_jax.kernels.loaders_sm90 import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
@@ -791,13 +791,8 @@ class FlashAttentionForwardSm90:
         cfg = self.cfg
         dtype = sV.element_type
         vec = 128 // dtype.width
-        threads_per_row = cfg.head_dim // vec
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom,
-            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
+        tiled = cute.make_tiled_copy_tv(atom, *row_thread_layout(dtype, cfg.head_dim, 128))
         thr = tiled.get_slice(tidx % 128)
         tVsV = thr.partition_D(sV[None, None, stage])
         tVcV = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))

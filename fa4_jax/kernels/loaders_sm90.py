@@ -3,6 +3,7 @@ or a paged cache, and pack-GQA Q rows gathered with cp.async."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cutlass
@@ -27,22 +28,32 @@ def sequence_rows(mX: cute.Tensor, head, batch, offset, varlen: bool) -> cute.Te
     return mX[None, None, head, batch]
 
 
+def threads_per_row(dtype, head_dim: int) -> int:
+    """Threads sharing one row in the 16-byte row copies (row_copy, clear_v_rows): the largest power
+    of two (<= 32) dividing the row's 16-byte chunks (head_dim / 8 for bf16), so that a warp and a
+    warpgroup hold whole rows. 8 / 16 / 32 threads at head_dim 64 / 128 / 256, one chunk each; 4 at
+    96 and 8 at 192 (12 and 24 chunks), three chunks each, threads_per_row chunks apart."""
+    return math.gcd(head_dim // (128 // dtype.width), 32)
+
+
+def row_thread_layout(dtype, head_dim: int, n_threads: int):
+    """(thread layout, value layout) for make_tiled_copy_tv: n_threads / tpr rows per pass, thread t
+    at row t / tpr and column chunk t % tpr (then + tpr, + 2 tpr, ... over the row)."""
+    tpr = threads_per_row(dtype, head_dim)
+    return (cute.make_ordered_layout((n_threads // tpr, tpr), order=(1, 0)),
+            cute.make_layout((1, 128 // dtype.width)))
+
+
 def row_copy(dtype, head_dim: int, n_threads: int):
-    """16-byte cp.async of (rows, head_dim) tiles by `n_threads` threads: head_dim / 8 (bf16) threads
-    per row, each a fixed 16-byte column chunk, n_threads / that many rows per pass. Returns
+    """16-byte cp.async of (rows, head_dim) tiles by `n_threads` threads (row_thread_layout). Returns
     (copy atom, tiled copy, elements per copy)."""
     vec = 128 // dtype.width
-    threads_per_row = head_dim // vec
     # cp.async.cg: through L2 only. The default .ca allocates every line in L1, which is what shared
     # memory leaves of the SM's 256 KB (~28 KB here): that capped the bytes in flight of the
     # one-row K/V gather at a small fraction of what the HBM latency needs.
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=128)
-    tiled = cute.make_tiled_copy_tv(
-        atom,
-        cute.make_ordered_layout((n_threads // threads_per_row, threads_per_row), order=(1, 0)),
-        cute.make_layout((1, vec)),
-    )
+    tiled = cute.make_tiled_copy_tv(atom, *row_thread_layout(dtype, head_dim, n_threads))
     return atom, tiled, vec
 
 
@@ -109,10 +120,9 @@ class KVLoader:
             return Int32(0), Int32(0)
         lane = cute.arch.lane_idx()
         if const_expr(self.page_rows == 1):
-            vec = 128 // self.tKgK.element_type.width
-            threads_per_row = cfg.head_dim // vec
-            rows_per_pass = 128 // threads_per_row
-            rows_per_warp_pass = 32 // threads_per_row
+            tpr = threads_per_row(self.tKgK.element_type, cfg.head_dim)
+            rows_per_pass = 128 // tpr
+            rows_per_warp_pass = 32 // tpr
             # Index i of the warp's tile_n / 4 rows: row (i // rpwp) * rows_per_pass + warp * rpwp + i % rpwp.
             i = lane % (cfg.tile_n // 4)
             row = (i // rows_per_warp_pass) * rows_per_pass + (self.tidx // 32) * rows_per_warp_pass \
@@ -167,12 +177,12 @@ class KVLoader:
         when the copies have landed."""
         cfg = self.cfg
         copy_atom, tiled, vec = row_copy(g.element_type, cfg.head_dim, 128)
-        threads_per_row = cfg.head_dim // vec
-        rows_per_warp_pass = 32 // threads_per_row
+        tpr = threads_per_row(g.element_type, cfg.head_dim)
+        rows_per_warp_pass = 32 // tpr
         thr = tiled.get_slice(self.tidx)
         tKsK = thr.partition_D(s[None, None, stage])
         tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
-        src_lane_in_pass = cute.arch.lane_idx() // threads_per_row
+        src_lane_in_pass = cute.arch.lane_idx() // tpr
         for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
             owner = m * rows_per_warp_pass + src_lane_in_pass
             slot = cute.arch.shuffle_sync(my_slot, owner)

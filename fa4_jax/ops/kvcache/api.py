@@ -21,10 +21,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from fa4_jax.core import cudnn
-from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
+from fa4_jax.core.implementation import Implementation, resolve_implementation, trim_window
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
-from fa4_jax.ops.kvcache.spec import HEAD_DIMS as KVCACHE_HEAD_DIMS
 from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
@@ -65,8 +64,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
       num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
         the GPU's SM count; an int >= 1 forces it (kernel only; the result does not depend on it
         beyond float rounding). Splits are merged by an LSE-weighted combine in the same call.
-      implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64, 128,
-        256). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
+      implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every
+        head_dim). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
         softcap or sinks, and a causal mask or window only when seqlen_q == 1 (no left window).
 
     A row with no visible key (cache_seqlens 0, a window that excludes everything) gives o = 0 and
@@ -96,8 +95,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                   page_rows=_page_rows(k_cache, paged),
                   num_splits=num_splits or 0)
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
-    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
-                                            head_dim, KVCACHE_HEAD_DIMS, "KV-cache",
+    implementation = resolve_implementation(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
                                             (cudnn.KVCACHE, operands, params))
     o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
@@ -146,8 +144,8 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
                   page_rows=_page_rows(k_cache, paged), num_splits=num_splits or 0)
     q4 = jnp.asarray(q)[None]
     operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks) if x is not None)
-    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
-                                            head_dim, KVCACHE_HEAD_DIMS, "KV-cache", None)
+    implementation = resolve_implementation(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            None)
     o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
     return (o[0], lse[0]) if return_lse else o[0]
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
 from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, FwdVariant
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, HEAD_DIMS, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
+from fa4_jax.ops.fwd.spec import FwdVariant
 
-HEAD_DIMS = (64, 128, 256)
 # Packed query rows (queries x q-heads per KV head) of one tile: 64 (one consumer warpgroup) while a
 # sequence has at most 64 rows (decode, speculative decode), else 128 (two warpgroups: chunked
 # prefill at the dense kernel's efficiency). ffi/kvcache.cc picks the tile from max_seqlen_q.
@@ -75,7 +75,7 @@ class KVCacheVariant(FwdVariant):
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"head_dim": HEAD_DIMS, "tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged",))
+        self.check_fields({"tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged",))
         if not self.paged and self.page_rows != PAGE_ROWS:
             raise ValueError(f"page_rows applies to paged caches only: {self.page_rows=} with paged=False")
 

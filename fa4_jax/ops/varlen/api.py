@@ -7,10 +7,9 @@ import jax
 from jax.typing import ArrayLike
 
 from fa4_jax.core import cudnn
-from fa4_jax.core.implementation import Implementation, resolve_with_head_dims, trim_window
+from fa4_jax.core.implementation import Implementation, resolve_implementation, trim_window
 from fa4_jax.core.validation import check_flag, check_options, check_varlen
 from fa4_jax.ops.varlen.primitive import fa4_varlen_p, kernel_variant
-from fa4_jax.ops.varlen.spec import HEAD_DIMS as VARLEN_HEAD_DIMS
 
 STATIC_ARGNAMES = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_size", "softcap", "return_lse",
                    "implementation")
@@ -38,8 +37,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
       seqused_k: optional int32 (batch,): use only the first seqused_k[b] keys of sequence b.
       causal, softmax_scale, window_size, softcap, sinks, return_lse: as for `fa4_jax.attention`, with
         masks aligned to the bottom-right corner of each sequence.
-      implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels: head_dim 64,
-        128, 256). Packed batches have no exact cuDNN mapping: None runs the reference where no
+      implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every
+        head_dim). Packed batches have no exact cuDNN mapping: None runs the reference where no
         kernel serves the call, and "cudnn" raises ValueError.
 
     Query rows past cu_seqlens_q[-1] belong to no sequence: o = 0 there.
@@ -55,8 +54,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap,
                   has_seqused=seqused_k is not None, has_sinks=sinks is not None, max_seqlen_q=int(max_seqlen_q or 0))
     operands = tuple(x for x in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks) if x is not None)
-    implementation = resolve_with_head_dims(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
-                                            head_dim, VARLEN_HEAD_DIMS, "varlen", (cudnn.VARLEN, operands, params))
+    implementation = resolve_implementation(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
+                                            (cudnn.VARLEN, operands, params))
     o, lse = fa4_varlen_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
 

@@ -13,8 +13,6 @@ from fa4_jax.families.base import Attr, Buffer, CallSignature, Field, KernelFami
 from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, FwdVariant
 from fa4_jax.ops.fwd.spec import default_menu as fwd_default_menu
 
-HEAD_DIMS = (64, 128, 256)
-
 
 @dataclass(frozen=True, order=True)
 class VarlenVariant(FwdVariant):
@@ -22,14 +20,10 @@ class VarlenVariant(FwdVariant):
 
     FAMILY_PREFIX = "fa4_varlen"
 
-    def __post_init__(self):
-        super().__post_init__()
-        self.check_fields({"head_dim": HEAD_DIMS})
-
 
 def default_menu() -> tuple[VarlenVariant, ...]:
-    """The dense family's default menu at the head dims the varlen kernels are built for."""
-    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu() if v.head_dim in HEAD_DIMS)
+    """The dense family's default menu (every head dim, mask and softcap)."""
+    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu())
 
 
 def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
