@@ -197,11 +197,13 @@ def test_attention_with_kvcache_paged_causal(built):
     check_kv_call(q, kp, vp, np.array([130, 201], np.int32), table, opts=dict(causal=True), what="paged causal")
 
 
+@pytest.mark.parametrize("page_size", [None, 64, 256], ids=["contiguous", "page64", "page256"])
 @pytest.mark.parametrize("num_splits", [1, None, 3])
-def test_kvcache_chunked_prefill(built, num_splits):
-    # 70 queries x 4 q-heads per KV head = 280 packed rows: five query tiles per KV head.
+def test_kvcache_chunked_prefill(built, num_splits, page_size):
+    # 70 queries x 4 q-heads per KV head = 280 packed rows: five query tiles per KV head (128 rows
+    # each), from a contiguous or a paged cache.
     run_kv_case(built, b=2, s_q=70, h_q=8, h_k=2, lens=[70, 900], capacity=1024, opts=dict(causal=True),
-                num_splits=num_splits)
+                num_splits=num_splits, page_size=page_size)
 
 
 @pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("bf16", 256), ("fp16", 64), ("bf16", 96),
@@ -213,12 +215,13 @@ def test_kvcache_dtypes_head_dims(built, dtype, hd):
                 page_size=64, seed=3)
 
 
-@pytest.mark.parametrize("page_size", [None, 1, 48], ids=["contiguous", "page1", "page48"])
+@pytest.mark.parametrize("page_size", [None, 1, 48, 128], ids=["contiguous", "page1", "page48", "page128"])
 @pytest.mark.parametrize("hd", [64, 96, 192, 256])
 def test_kvcache_head_dims_pages_and_chunks(built, hd, page_size):
-    """Every head dim through every K/V path (contiguous TMA, 16-row TMA pieces, the one-row gather,
-    whose threads per row differ at 96 and 192: 4 and 8, three 16-byte chunks each) and both query
-    tiles: decode rows (64) with splits, a 70-query chunk (128) with every option."""
+    """Every head dim through every K/V path (contiguous TMA, 16-row TMA pieces at pages 48 and 128,
+    the one-row gather, whose threads per row differ at 96 and 192: 4 and 8, three 16-byte chunks
+    each) and both query tiles: decode rows (64) with splits, a 70-query chunk (128) with every
+    option."""
     run_kv_case(built, b=3, s_q=1, h_q=16, h_k=4, lens=[1000, 0, 77], capacity=1024, hd=hd, page_size=page_size,
                 opts=dict(causal=True, sinks=make_sinks(0, 16)), num_splits=None, seed=hd)
     run_kv_case(built, b=2, s_q=70, h_q=8, h_k=2, lens=[70, 900], capacity=1024, hd=hd, page_size=page_size,

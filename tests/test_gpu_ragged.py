@@ -63,7 +63,8 @@ def _variant(page_size, opts, max_rows, hd=HD):
 
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["auto_splits", "splits3"])
 @pytest.mark.parametrize("options", ["causal", "everything"])
-@pytest.mark.parametrize("page_size", [None, 1, 5, 16, 48], ids=["contiguous", "page1", "page5", "page16", "page48"])
+@pytest.mark.parametrize("page_size", [None, 1, 5, 16, 48, 64],
+                         ids=["contiguous", "page1", "page5", "page16", "page48", "page64"])
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
 def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options, num_splits, hd=HD):
     opts = dict(OPTION_CASES[options])
@@ -99,7 +100,7 @@ def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options
                             what=f"ragged {batch} hd{hd} page={page_size} {options} splits={num_splits}")
 
 
-@pytest.mark.parametrize("page_size", [None, 5, 16], ids=["contiguous", "page5", "page16"])
+@pytest.mark.parametrize("page_size", [None, 5, 16, 64], ids=["contiguous", "page5", "page16", "page64"])
 @pytest.mark.parametrize("hd", [64, 96, 192, 256])
 def test_ragged_head_dims(kernel_variants, hd, page_size):
     """The mixed step at every other head dim (hd 128 above): 128-row chunk tiles and decode rows in

@@ -114,7 +114,7 @@ class KVLoader:
         front of every copy, then in front of every block: paged decode ran at 3.4 TB/s, page 1 at
         0.8, then 2.6) hides behind the copies in flight. A block outside the table (the
         look-ahead past the last one) reads its first or last entry; ids are clamped into the
-        pool. Contiguous: (0, 0), unused."""
+        pool (the gather's by _gather_rows). Contiguous: (0, 0), unused."""
         cfg = self.cfg
         if const_expr(not self.paged):
             return Int32(0), Int32(0)
@@ -138,6 +138,10 @@ class KVLoader:
         entry = unit // per_page
         within = unit - entry * per_page
         entry = cutlass.max(cutlass.min(entry, self.page_row.shape[0] - 1), 0)
+        if const_expr(self.page_rows == 1):
+            # The raw id: _gather_rows clamps it a block later, when the load has landed (an
+            # instruction here that used it would wait for the load right away).
+            return self.page_row[entry], within
         page = cutlass.max(cutlass.min(self.page_row[entry], num_pages - 1), 0)
         return page, within
 
@@ -171,23 +175,29 @@ class KVLoader:
         """One-row pieces (any page size): the producer warpgroup's 128 threads copy the block's rows
         with 16-byte cp.async. row_copy gives thread t the column chunk t % tpr (tpr = threads per
         row) of rows pass * (128 / tpr) + t / tpr, so each warp copies tile_n / 4 rows <= 32; lane i
-        looked up the warp's i-th row (lookup), and each pass takes its row's (page, slot) from the
-        owning lane with a shuffle. Row r is key n_block * tile_n + r: slot pos % page_size of page
+        looked up the warp's i-th row (lookup) and computes its global address once; each pass
+        takes its row's address from the owning lane with a (64-bit) shuffle. Before, every thread
+        shuffled (page, slot) and redid the 64-bit address arithmetic of its row: ~15 instructions
+        per 16-byte copy, which left the producer behind the tile_m-128 consumers (chunks at page 1
+        1.37x page 64's time). Row r is key n_block * tile_n + r: slot pos % page_size of page
         page_table[pos // page_size]. The caller's producer_commit arrives on the stage's barrier
         when the copies have landed."""
         cfg = self.cfg
-        copy_atom, tiled, vec = row_copy(g.element_type, cfg.head_dim, 128)
-        tpr = threads_per_row(g.element_type, cfg.head_dim)
+        dtype = g.element_type
+        copy_atom, tiled, vec = row_copy(dtype, cfg.head_dim, 128)
+        tpr = threads_per_row(dtype, cfg.head_dim)
         rows_per_warp_pass = 32 // tpr
         thr = tiled.get_slice(self.tidx)
         tKsK = thr.partition_D(s[None, None, stage])
         tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
         src_lane_in_pass = cute.arch.lane_idx() // tpr
+        page = cutlass.max(cutlass.min(my_page, g.shape[2] - 1), 0)
+        my_row = (g.iterator + cute.crd2idx((my_slot, 0, page), g.layout)).toint()
         for m in cutlass.range_constexpr(cute.size(tKsK, mode=[1])):
-            owner = m * rows_per_warp_pass + src_lane_in_pass
-            slot = cute.arch.shuffle_sync(my_slot, owner)
-            page = cute.arch.shuffle_sync(my_page, owner)
-            src = cute.tiled_divide(g[slot, None, page], (vec,))
+            row = cute.arch.shuffle_sync(my_row, m * rows_per_warp_pass + src_lane_in_pass)
+            src_row = cute.make_tensor(cute.make_ptr(dtype, row, cute.AddressSpace.gmem, assumed_align=16),
+                                       (cfg.head_dim,))
+            src = cute.tiled_divide(src_row, (vec,))
             for k in cutlass.range_constexpr(cute.size(tKsK, mode=[2])):
                 cute.copy(copy_atom, src[None, tKcK[0, m, k][1] // vec], tKsK[None, m, k])
 
