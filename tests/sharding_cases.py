@@ -156,6 +156,27 @@ def kvcache_cases(m24, m8):
            (P(), P("x"), P("x"), P(), P()), cache_bytes=pool_k8.size * 2, tail_bytes=b * 31 * h_k * d * 2)
 
 
+def ragged_cases(m24):
+    """Ragged continuous-batching calls (cu_seqlens_q; ops/kvcache/sharding.py): their rows mix
+    sequences, so they shard by heads only, with no collective; any other sharded axis is gathered."""
+    lens, counts = [40, 0, 7, 120, 33], [5, 0, 1, 3, 1]  # chunks, an empty sequence, decodes
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(counts)]), jnp.int32)
+    h_q, h_k, d, ps = 16, 4, 64, 16
+    b, max_pages = len(lens), 8
+    ks = jax.random.split(jax.random.key(3), 3)
+    bf = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    q = bf(ks[0], (int(cu[-1]) + 2, h_q, d))  # two rows past cu_seqlens_q[-1]: o = 0
+    n_pages = b * max_pages + 3
+    pool_k, pool_v = bf(ks[1], (n_pages, ps, h_k, d)), bf(ks[2], (n_pages, ps, h_k, d))
+    table = jnp.asarray(np.random.default_rng(3).permutation(n_pages)[: b * max_pages].reshape(b, max_pages), jnp.int32)
+    f = lambda q, k, v, n, c, t: fa4_jax.attention_with_kvcache(  # noqa: E731
+        q, k, v, n, cu_seqlens_q=c, page_table=t, causal=True, return_lse=True, implementation="xla")
+    arrays = (q, pool_k, pool_v, jnp.asarray(lens, jnp.int32), cu, table)
+    heads = P(None, None, "model")
+    run_fn("kv_ragged_heads", m24, f, arrays, (P(None, "model"), heads, heads, P(), P(), P()))
+    run_fn("kv_ragged_rows_replicated", m24, f, arrays, (P("model"), P(), P(), P(), P(), P()))
+
+
 def varlen_cases(m24):
     lens_q, lens_k = [5, 0, 40, 19], [9, 3, 40, 0]
     cu_q = jnp.asarray(np.concatenate([[0], np.cumsum(lens_q)]), jnp.int32)
@@ -191,6 +212,7 @@ def main():
     sm = jax.jit(jax.shard_map(plain, mesh=m24, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec)))
     run_fn("shard_map", m24, sm, (q, k, v), (spec, spec, spec), want_fn=plain)
     kvcache_cases(m24, m8)
+    ragged_cases(m24)
     varlen_cases(m24)
     # vmap composes with the sharded lowering: vmap over 2 query sets, batch sharded.
     qs = jnp.stack([q, q[::-1]])

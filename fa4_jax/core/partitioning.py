@@ -20,7 +20,7 @@ import functools
 
 import jax
 
-from jax.experimental.custom_partitioning import CompoundFactor, custom_partitioning
+from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding
 
 from fa4_jax.core import compat
@@ -29,6 +29,21 @@ def spec_entries(sharding, ndim: int) -> tuple:
     """The PartitionSpec entries of a NamedSharding, padded to ndim."""
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     return spec + (None,) * (ndim - len(spec))
+
+
+def sharding_rule(operands, results, replicate, **sizes) -> SdyShardingRule:
+    """The Shardy rule of ArrayMappings `operands` -> `results` whose factors in `replicate` must be
+    replicated. Shardy numbers factors in the order they first appear (operands, then results) and
+    rejects special factors out of that order ("indices of special factors must be sorted"), so
+    they are put in it here rather than by each family's hand."""
+    order = []
+    for mapping in (*operands, *results):
+        for dim in mapping:
+            for factor in (dim if isinstance(dim, CompoundFactor) else (dim,)):
+                if factor not in order:
+                    order.append(factor)
+    replicate = tuple(sorted(set(replicate), key=order.index))
+    return SdyShardingRule(tuple(operands), tuple(results), need_replication_factors=replicate, **sizes)
 
 
 def heads_factor(heads_q: int, heads_kv: int):

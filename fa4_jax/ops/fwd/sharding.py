@@ -15,8 +15,8 @@ from __future__ import annotations
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.sharding import PartitionSpec
 
-from fa4_jax.core.partitioning import head_plan, heads_factor, is_masked, named_shardings, slice_kv_heads
-from fa4_jax.core.partitioning import spec_entries, spec_entry
+from fa4_jax.core.partitioning import head_plan, heads_factor, is_masked, named_shardings, sharding_rule
+from fa4_jax.core.partitioning import slice_kv_heads, spec_entries, spec_entry
 
 def _fwd_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     q, k = value_types[0], value_types[1]
@@ -26,9 +26,8 @@ def _fwd_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     if params["has_sinks"]:
         operands.append(ArrayMapping(heads))
     results = (ArrayMapping("b", "sq", heads, "d"), ArrayMapping("b", heads, "sq"))
-    # Shardy wants special factors in the order the factors first appear (b, sq, hk, g, d, sk).
     replicate = (("sq",) if is_masked(params) else ()) + ("d", "sk")
-    return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
+    return sharding_rule(operands, results, replicate, **sizes)
 
 
 def _fwd_plan(params: dict, mesh, arg_shapes):

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.sharding import PartitionSpec
 
-from fa4_jax.core.partitioning import axes_of, head_plan, heads_factor, is_masked, named_shardings, slice_kv_heads
-from fa4_jax.core.partitioning import spec_entries, spec_entry
+from fa4_jax.core.partitioning import axes_of, head_plan, heads_factor, is_masked, named_shardings, sharding_rule
+from fa4_jax.core.partitioning import slice_kv_heads, spec_entries, spec_entry
 
 def _tail_length(params: dict, s_q: int) -> int:
     """T: how many of a row's last keys some query cannot see (the tail; 0 = every key is body)."""
@@ -73,7 +73,7 @@ def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
         replicate += ("d",) + (() if cp else ("pages",)) + ("ps", "mp")
     else:
         replicate += ("d",) + (() if cp else ("cap",))
-    return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
+    return sharding_rule(operands, results, replicate, **sizes)
 
 
 def _kvcache_plan(params: dict, mesh, arg_shapes):

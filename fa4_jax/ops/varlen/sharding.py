@@ -10,7 +10,8 @@ from __future__ import annotations
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.sharding import PartitionSpec
 
-from fa4_jax.core.partitioning import head_plan, heads_factor, named_shardings, slice_kv_heads, spec_entries, spec_entry
+from fa4_jax.core.partitioning import head_plan, heads_factor, named_shardings, sharding_rule, slice_kv_heads
+from fa4_jax.core.partitioning import spec_entries, spec_entry
 
 def _varlen_rule(params: dict, value_types, result_types) -> SdyShardingRule:
     q, k = value_types[0], value_types[1]
@@ -23,7 +24,7 @@ def _varlen_rule(params: dict, value_types, result_types) -> SdyShardingRule:
         operands.append(ArrayMapping(heads))
     results = (ArrayMapping("tq", heads, "d"), ArrayMapping(heads, "tq"))
     replicate = ("tq", "d", "tk", "b1") + (("bu",) if params["has_seqused"] else ())
-    return SdyShardingRule(tuple(operands), results, need_replication_factors=replicate, **sizes)
+    return sharding_rule(operands, results, replicate, **sizes)
 
 
 def _varlen_plan(params: dict, mesh, arg_shapes):
