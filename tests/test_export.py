@@ -136,6 +136,31 @@ def test_kvcache_symbolic_batch_and_capacity_exports_and_runs(kernel_library, pa
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic_tokens"])
+def test_kvcache_ragged_exports_and_runs(kernel_library, symbolic):
+    """A continuous-batching step (ragged q over a paged pool) exported from this CPU host: the CUDA
+    branch is one kernel call (with the lowering's tile list), the CPU branch the reference; with a
+    symbolic number of packed tokens the static max_seqlen_q hint keeps the kernel."""
+    (t,) = jax.export.symbolic_shape("t") if symbolic else (40,)
+    h_q, h_k, d, ps, b, mp = 8, 2, 128, 16, 3, 4
+    specs = [jax.ShapeDtypeStruct(s, dt) for s, dt in [((t, h_q, d), jnp.bfloat16), ((20, ps, h_k, d), jnp.bfloat16),
+                                                        ((20, ps, h_k, d), jnp.bfloat16), ((b,), jnp.int32),
+                                                        ((b + 1,), jnp.int32), ((b, mp), jnp.int32)]]
+    fn = lambda q, k, v, lens, cu, table: fa4_jax.attention_with_kvcache(  # noqa: E731
+        q, k, v, lens, cu_seqlens_q=cu, page_table=table, max_seqlen_q=32, causal=True)
+    assert kernel_calls(_symbolic_export(fn, specs, ["cuda"])) == [KVCACHE.target]
+    both = _symbolic_export(fn, specs, ["cpu", "cuda"])
+    rng = np.random.default_rng(4)
+    for total, counts in [(40, [32, 1, 7]), (11, [0, 1, 9])]:
+        if not symbolic and total != 40:
+            continue
+        cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        lens = np.array([50, 9, 64], np.int32)
+        args = (_bf16(rng, total, h_q, d), _bf16(rng, 20, ps, h_k, d), _bf16(rng, 20, ps, h_k, d), lens, cu,
+                rng.permutation(20)[: b * mp].reshape(b, mp).astype(np.int32))
+        got, want = both.call(*args), jax.jit(fn)(*args)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
 def test_varlen_symbolic_number_of_sequences_exports_and_runs(kernel_library):
     (n,) = jax.export.symbolic_shape("n")
     t, h_q, h_k, d = 96, 8, 2, 64
