@@ -497,7 +497,7 @@ def main() -> int:
     parser.add_argument("--slots", type=int, help="max concurrent requests")
     parser.add_argument("--num-pages", type=int, help="pages per pool, the null page included")
     parser.add_argument("--requests", type=int)
-    parser.add_argument("--head-dim", type=int, choices=(64, 128))
+    parser.add_argument("--head-dim", type=int, choices=(64, 96, 128, 192, 256))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                         help="model compute dtype (default float32 on CPU, bfloat16 on GPU); the cache is bf16")
