@@ -89,7 +89,7 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False, paged: bool = False) -> Sm90FwdConfig:
+def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90FwdConfig:
     """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
     warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
     is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
@@ -99,8 +99,7 @@ def kvcache_config(head_dim: int, tile_m: int = 64, gather: bool = False, paged:
     budget of 32 hung on the H200 (the consumers waited forever to rise to 240); a paged one trades
     8 registers of each consumer for 16 more of its own. At tile_m 64 it is
     240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
-    64. `gather` (one-row pages, copied by the whole producer warpgroup) needs nothing more."""
-    del gather
+    64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup."""
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs, consumer_regs = 24, 240
     if paged and tile_m == 128:

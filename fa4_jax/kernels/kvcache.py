@@ -21,8 +21,7 @@ def make_kernel(variant: KVCacheVariant):
         from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
         from fa4_jax.kernels.seams import FwdSeams
 
-        kernel = FlashAttentionForwardSm90(kvcache_config(variant.head_dim, variant.tile_m, variant.page_rows == 1,
-                                                          variant.paged), variant.mask,
+        kernel = FlashAttentionForwardSm90(kvcache_config(variant.head_dim, variant.tile_m, variant.paged), variant.mask,
                                            variant.softcap, FwdSeams.kvcache(variant.paged),
                                            page_rows=variant.page_rows)
         return kernel.call_kvcache

@@ -12,12 +12,10 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
-
-# Rows of one paged piece: 16 for page sizes that are multiples of 16 (one TMA box each, 8 per
-# 128-key block), else 1 (any page size, e.g. 1): rows gathered with 16-byte cp.async by the 128
-# threads of the producer warpgroup (one TMA box per row would be issue-bound).
-PAGE_ROWS = 16
-PAGE_ROWS_CHOICES = (16, 1)
+# Rows of one paged piece (the family's spec): 16 for page sizes that are multiples of 16 (one TMA
+# box each, 8 per 128-key block), else 1 (any page size, e.g. 1): rows gathered with 16-byte
+# cp.async by the 128 threads of the producer warpgroup (one TMA box per row would be issue-bound).
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS, PAGE_ROWS_CHOICES
 
 
 def sequence_rows(mX: cute.Tensor, head, batch, offset, varlen: bool) -> cute.Tensor:
