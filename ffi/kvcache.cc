@@ -4,7 +4,9 @@
 //
 // The workspace (o_accum, lse_accum) is an XLA-allocated result (CUDA-graph safe: no allocation
 // here); its extent `splits` is what the lowering sized it for, and bounds num_splits. With
-// splits, execute launches the attention kernel and the combine kernel, both on the given stream.
+// splits, the attention kernel's last split CTA of each tile merges the tile's partials, counting
+// splits in one of the device's zero-at-rest counters (runtime.h ZeroedCounters); a ragged call, or
+// one the pool cannot serve, gets the combine kernel launched right after instead.
 //
 // What cannot be checked without reading device memory, and what the kernel does instead:
 // cache_seqlens[b] is clamped to [0, capacity] (capacity = cache length, or max_pages * page_size);
@@ -18,6 +20,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace fa4_jax::gen::kvcache {
@@ -42,6 +46,11 @@ int AutoSplits(int64_t tiles, int sms, int64_t blocks, int64_t cap) {
     if (waves / std::ceil(waves) >= 0.95 * best) return static_cast<int>(s);
   }
   return 1;
+}
+
+bool FuseCombineEnabled() {
+  const char *v = std::getenv("FA4_JAX_FUSE_COMBINE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
 }  // namespace
@@ -172,6 +181,18 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   p.lse_accum_stride[2] = s_q;
   SetSoftmaxAndWindow(p, softmax, c.window_left, c.window_right, capacity, max_seqlen_q);
   p.num_splits = static_cast<int32_t>(splits);
+  // With splits, the last split CTA of each tile merges the tile (one launch) when the device's
+  // counter pool serves the call; otherwise the exported function launches the combine kernel.
+  // FA4_JAX_FUSE_COMBINE=0 forces the latter (tests and A/B timing of both paths).
+  p.semaphores = nullptr;
+  p.n_semaphores = 0;
+  const int64_t counters = b * h_k * m_blocks;
+  if (splits > 1 && !ragged && FuseCombineEnabled()) {
+    if (int32_t *pool = ZeroedCounters(dev.device, c.stream, counters)) {
+      p.semaphores = pool;
+      p.n_semaphores = static_cast<int32_t>(counters);
+    }
+  }
   p.stream = c.stream;
   return ffi::Error::Success();
 }

@@ -99,6 +99,49 @@ int MultiprocessorCount(int device) {
   });
 }
 
+namespace {
+std::atomic<int32_t *> g_counters[kMaxDevices];
+std::mutex g_counters_mu;
+
+// cudaMalloc + zeroing on a private stream, waited for: the pool is zero before any kernel can see it.
+int32_t *AllocateZeroedCounters() {
+  void *ptr = nullptr;
+  const size_t bytes = sizeof(int32_t) * kCounterPoolSize;
+  if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  cudaStream_t s = nullptr;
+  cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, bytes, s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+  if (s != nullptr) (void)cudaStreamDestroy(s);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaFree(ptr);
+    return nullptr;
+  }
+  return static_cast<int32_t *>(ptr);
+}
+}  // namespace
+
+int32_t *ZeroedCounters(int device, cudaStream_t stream, int64_t count) {
+  if (device < 0 || device >= kMaxDevices || count > kCounterPoolSize) return nullptr;
+  if (int32_t *pool = g_counters[device].load(std::memory_order_acquire)) return pool;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  std::lock_guard<std::mutex> lock(g_counters_mu);
+  if (int32_t *pool = g_counters[device].load(std::memory_order_acquire)) return pool;
+  // Never freed: a CUDA graph captured with the pool's address may replay at any later time.
+  int32_t *pool = AllocateZeroedCounters();
+  if (pool != nullptr) g_counters[device].store(pool, std::memory_order_release);
+  return pool;
+}
+
 ffi::Error PrepareForLaunch(const char *target, const VariantInfo &v, cudaStream_t stream, int device) {
   if (IsLoaded(v, device)) return ffi::Error::Success();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

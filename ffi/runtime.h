@@ -72,6 +72,16 @@ int ComputeCapability(int device);
 // The number of SMs of `device` (cached), or a negative cudaError_t: persistent kernels' grid size.
 int MultiprocessorCount(int device);
 
+// A per-device pool of int32 counters that are zero at rest: a kernel that counts its CTAs in (the
+// KV-cache family's fused split combine) puts every counter it used back to zero before it ends, so
+// the pool is zeroed once, when it is allocated. Returns the pool of `device`, or null when it
+// cannot hold `count` counters, or does not exist yet and cannot be made now (the stream is being
+// captured into a CUDA graph; the handlers' initialize stage, run before any capture, normally made
+// it) -- the caller then takes a path without counters. Calls on one device share the pool, so
+// they must run in stream order, as XLA runs a device's computations on its one compute stream.
+int32_t *ZeroedCounters(int device, cudaStream_t stream, int64_t count);
+constexpr int64_t kCounterPoolSize = int64_t{1} << 16;  // 256 KB per device
+
 std::string CudaErrorText(cudaError_t e);
 std::string DimsText(ffi::AnyBuffer::Dimensions dims);
 inline bool Aligned(const void *p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

@@ -176,6 +176,38 @@ def test_kvcache_decode_splits(built, num_splits):
     run_kv_case(built, b=2, s_q=1, h_q=32, h_k=8, lens=[4000, 1537], capacity=4096, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("fuse", ["1", "0"], ids=["merged_by_last_split", "combine_kernel"])
+def test_kvcache_split_merge_paths(built, monkeypatch, fuse):
+    """Splits are merged by the last split CTA of each tile to finish (the default: it counts in on a
+    per-device counter pool that every launch leaves zeroed, ffi/runtime.h ZeroedCounters) or by a
+    second kernel (FA4_JAX_FUSE_COMBINE=0, as when the pool cannot serve a call). Both against the
+    oracle, sinks and a causal window included; then three calls in one program, back to back on the
+    stream and re-using the same counters, each right -- a counter left non-zero would leave a tile
+    unmerged (o as poisoned) in the calls after it."""
+    monkeypatch.setenv("FA4_JAX_FUSE_COMBINE", fuse)
+    run_kv_case(built, b=3, s_q=2, h_q=32, h_k=8, lens=[4000, 1, 2500], capacity=4096, num_splits=6,
+                opts=dict(causal=True, window_size=(3000, -1), sinks=True), seed=11)
+    _require(built, "bf16", 128, {}, False, rows=4)
+    lens = np.array([4096, 777], np.int32)
+    ks = jax.random.split(jax.random.key(12), 3)
+    q = jax.random.normal(ks[0], (2, 1, 32, 128), jnp.float32).astype(jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (2, 4096, 8, 128), jnp.float32).astype(jnp.bfloat16) for k in ks[1:])
+    qs = (q, -q, (0.5 * q).astype(q.dtype))
+
+    @jax.jit
+    def three(q, kc, vc, n):
+        call = functools.partial(fa4_jax.attention_with_kvcache, return_lse=True, num_splits=6)
+        xs = (q, -q, (0.5 * q).astype(q.dtype))
+        return ([call(x, kc, vc, n, implementation="fa4") for x in xs],
+                [call(x, kc, vc, n, implementation="xla") for x in xs])
+
+    poison_allocator((q.shape, q.dtype), ((2, 32, 1), jnp.float32))
+    ours, xla = three(q, kc, vc, jnp.asarray(lens))
+    for i, x in enumerate(qs):
+        check_against_reference(ours[i], xla[i], _oracle(x, kc, vc, lens, None, {}),
+                                what=f"call {i} of three in one program, FA4_JAX_FUSE_COMBINE={fuse}")
+
+
 @pytest.mark.parametrize("num_splits", [1, None, 5])
 @pytest.mark.parametrize("case", ["plain", "everything"])
 @pytest.mark.parametrize("page_size", [1, 5, 16, 32, 48, 64, 128, 256])

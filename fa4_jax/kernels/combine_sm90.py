@@ -1,9 +1,13 @@
-"""Split-KV combine kernel for SM90 (the SPLIT_PARTIALS epilogue's second half, seams.py).
+"""Split-KV combine for SM90 (the SPLIT_PARTIALS epilogue's second half, seams.py).
 
 With num_splits > 1 every split of a KV-cache tile writes its normalised O and its LSE (float32) to
-a workspace; this kernel, launched right after by the same exported function, merges them:
-o = sum_s exp(lse_s - lse) o_s with lse = log(sum_s exp(lse_s) + exp(sink)). Sinks join only here (a
-split must not count them). One warp per (batch, query, q-head) row.
+a workspace, and the splits are merged: o = sum_s exp(lse_s - lse) o_s with lse = log(sum_s
+exp(lse_s) + exp(sink)). Sinks join only here (a split must not count them). `merge_row` is the
+merge of one (batch, query, q-head) row by one warp. Two places run it:
+- the last split CTA of each tile to finish (epilogue_sm90.merge_splits_if_last), when the handler
+  hands the kernel a zeroed semaphore per tile (ffi/kvcache.cc): no second launch;
+- otherwise this file's kernel, launched right after the attention kernel by the same exported
+  function, one warp per row.
 """
 
 from __future__ import annotations
@@ -17,6 +21,46 @@ from cutlass import Float32, Int32
 _LOG2E = 1.4426950408889634
 # One warp per output row, four rows per CTA.
 COMBINE_ROWS_PER_CTA = 4
+
+
+@cute.jit
+def merge_row(mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+              mSinks: cute.Tensor, num_splits: Int32, batch: Int32, query: Int32, head: Int32, lane: Int32,
+              head_dim: cutlass.Constexpr[int]):
+    """One warp merges the num_splits partials of row (batch, query, head) into mO / mLSE."""
+    per_lane = head_dim // 32
+    # lse = log(sum_s exp(lse_s) + exp(sink)), computed against M = max(lse_s, sink) in log2 units;
+    # every split with lse_s = -inf (no key in its range) weighs 0.
+    big = mSinks[head] * _LOG2E
+    for s in cutlass.range(lane, num_splits, 32, unroll=1):
+        big = cute.arch.fmax(big, mLSEaccum[s, batch, head, query] * _LOG2E)
+    for off in cutlass.range_constexpr(int(math.log2(32))):
+        big = cute.arch.fmax(big, cute.arch.shuffle_sync_bfly(big, offset=1 << off))
+    big_safe = 0.0 if big == -Float32.inf else big
+    total = Float32(0.0)
+    for s in cutlass.range(lane, num_splits, 32, unroll=1):
+        total += cute.math.exp2(mLSEaccum[s, batch, head, query] * _LOG2E - big_safe, fastmath=True)
+    for off in cutlass.range_constexpr(int(math.log2(32))):
+        total += cute.arch.shuffle_sync_bfly(total, offset=1 << off)
+    total += cute.math.exp2(mSinks[head] * _LOG2E - big_safe, fastmath=True)
+    empty = total == 0.0
+    # A +inf sink takes the whole mass (o = 0, lse = +inf; inf - inf would make total NaN);
+    # a NaN sink leaves total NaN, so o and lse come out NaN (softmax.finalize does the same).
+    sink_wins = mSinks[head] == Float32.inf
+    inv = 0.0 if (empty or sink_wins) else cute.arch.rcp_approx(total)
+    acc = cute.make_rmem_tensor(per_lane, Float32)
+    acc.fill(0.0)
+    for s in cutlass.range(num_splits, unroll=4):
+        w = cute.math.exp2(mLSEaccum[s, batch, head, query] * _LOG2E - big_safe, fastmath=True) * inv
+        o_row = mOaccum[s, batch, query, head, None]
+        for i in cutlass.range_constexpr(per_lane):
+            acc[i] += w * o_row[lane * per_lane + i]
+    out = mO[batch, query, head, None]
+    for i in cutlass.range_constexpr(per_lane):
+        out[lane * per_lane + i] = acc[i].to(mO.element_type)
+    if lane == 0:
+        lse = -Float32.inf if empty else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+        mLSE[batch, head, query] = Float32.inf if sink_wins else lse
 
 
 class SplitCombineSm90:
@@ -34,45 +78,9 @@ class SplitCombineSm90:
     @cute.kernel
     def combine(self, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                 mSinks: cute.Tensor, num_splits: Int32):
-        d = self.head_dim
-        per_lane = d // 32
         tidx = cute.arch.thread_idx()[0]
-        lane = tidx % 32
         row = cute.arch.block_idx()[0] * COMBINE_ROWS_PER_CTA + tidx // 32
         h_q, s_q = mO.shape[2], mO.shape[1]
         if row < mO.shape[0] * s_q * h_q:
-            head = row % h_q
-            query = (row // h_q) % s_q
-            batch = row // (h_q * s_q)
-            # lse = log(sum_s exp(lse_s) + exp(sink)), computed against M = max(lse_s, sink) in log2
-            # units; every split with lse_s = -inf (no key in its range) weighs 0.
-            big = mSinks[head] * _LOG2E
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
-                big = cute.arch.fmax(big, mLSEaccum[s, batch, head, query] * _LOG2E)
-            for off in cutlass.range_constexpr(int(math.log2(32))):
-                big = cute.arch.fmax(big, cute.arch.shuffle_sync_bfly(big, offset=1 << off))
-            big_safe = 0.0 if big == -Float32.inf else big
-            total = Float32(0.0)
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
-                total += cute.math.exp2(mLSEaccum[s, batch, head, query] * _LOG2E - big_safe, fastmath=True)
-            for off in cutlass.range_constexpr(int(math.log2(32))):
-                total += cute.arch.shuffle_sync_bfly(total, offset=1 << off)
-            total += cute.math.exp2(mSinks[head] * _LOG2E - big_safe, fastmath=True)
-            empty = total == 0.0
-            # A +inf sink takes the whole mass (o = 0, lse = +inf; inf - inf would make total NaN);
-            # a NaN sink leaves total NaN, so o and lse come out NaN (softmax.finalize does the same).
-            sink_wins = mSinks[head] == Float32.inf
-            inv = 0.0 if (empty or sink_wins) else cute.arch.rcp_approx(total)
-            acc = cute.make_rmem_tensor(per_lane, Float32)
-            acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=4):
-                w = cute.math.exp2(mLSEaccum[s, batch, head, query] * _LOG2E - big_safe, fastmath=True) * inv
-                o_row = mOaccum[s, batch, query, head, None]
-                for i in cutlass.range_constexpr(per_lane):
-                    acc[i] += w * o_row[lane * per_lane + i]
-            out = mO[batch, query, head, None]
-            for i in cutlass.range_constexpr(per_lane):
-                out[lane * per_lane + i] = acc[i].to(mO.element_type)
-            if lane == 0:
-                lse = -Float32.inf if empty else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
-                mLSE[batch, head, query] = Float32.inf if sink_wins else lse
+            merge_row(mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits, row // (h_q * s_q), (row // h_q) % s_q,
+                      row % h_q, tidx % 32, self.head_dim)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from fa4_jax.kernels.combine_sm90 import merge_row
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.utils import acc_as_mn
 
@@ -178,3 +179,41 @@ def fill_unowned_packed_rows(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, tidx, wo
                 else:
                     mLSEaccum[work.split, seqlen.batch_q, head, pos] = -Float32.inf
         row0 += stride
+
+
+@cute.jit
+def merge_splits_if_last(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work, seqlen, problem):
+    """SPLIT_PARTIALS with the combine fused (problem.mSemaphores has a counter per (batch, KV head,
+    m_block) tile, zero between launches): after its split_store, each split CTA of a tile counts
+    itself in; the last one to arrive merges the tile's rows from the workspace (combine_sm90's
+    merge_row, one warp per row) and puts the counter back to zero for the next launch. Saves the
+    combine kernel's launch and its wait for the attention kernel's tail (issue 20)."""
+    n_consumer = 128 * cfg.num_consumer_wg
+    # Release: every thread's partial stores are ordered before its arrival at the barrier, and so
+    # before thread 0's increment below (the classic threadfence-reduction pattern).
+    cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_consumer)
+    if tidx == 0:
+        counter = (work.batch * problem.heads_kv + work.head) * problem.num_m_blocks + work.m_block
+        ptr = (problem.mSemaphores.iterator + counter).llvm_ptr
+        arrived = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
+        last = Int32(0)
+        if arrived == problem.num_splits - 1:
+            # Every split has counted in: nobody touches this counter again in this launch.
+            cute.arch.atomic_exch(ptr, Int32(0), sem="relaxed", scope="gpu")
+            last = Int32(1)
+        sMergeFlag[0] = last
+    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_consumer)
+    if sMergeFlag[0] != 0:
+        # Acquire: the other splits' partials (released before their increments) are visible.
+        cute.arch.fence_acq_rel_gpu()
+        lane = tidx % 32
+        rows = cutlass.min(cfg.tile_m, seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m)
+        for r in cutlass.range(tidx // 32, rows, n_consumer // 32, unroll=1):
+            row = work.m_block * cfg.tile_m + r
+            query = row // problem.qhead_per_kv
+            pos = seqlen.offset_q + query
+            if pos < mO.shape[1]:
+                head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
+                merge_row(mOaccum, mLSEaccum, mO, mLSE, mSinks, problem.num_splits, seqlen.batch_q, pos, head, lane,
+                          cfg.head_dim)

@@ -39,7 +39,8 @@ What the seams change (seams.py lists them):
   seqlen_k = cache_seqlens[b] clamped to the capacity; K/V come from a contiguous cache or, paged,
   in page_rows-row TMA pieces (16, or 1 for other page sizes) from the pages the page table names
   (ids clamped into the pool).
-  Split-KV divides a tile's key blocks over num_splits CTAs; the combine kernel merges the partials.
+  Split-KV divides a tile's key blocks over num_splits CTAs; the last of them to finish merges the
+  partials (epilogue_sm90.merge_splits_if_last), or the combine kernel does.
 - Keys past a sequence's end that a K/V block still covers (varlen, KV cache) are masked to -inf,
   but the tensor core computes 0 * NaN = NaN, so their V rows are zeroed in shared memory before the
   PV gemm (clear_v_rows; FwdSeams.keys_past_end).
@@ -182,6 +183,7 @@ class FlashAttentionForwardSm90:
         mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
         mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): a combine launch
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -210,11 +212,14 @@ class FlashAttentionForwardSm90:
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                     window_left, window_right, mPageTable=mPageTable, mSeqlensK=mSeqlensK, mOaccum=mOaccum,
                     mLSEaccum=mLSEaccum, mCuSeqlensQ=mCuSeqlensQ, num_splits=num_splits, kv_len=mK.shape[0],
-                    num_m_blocks=num_m_blocks, ragged=ragged, mTileList=mTileList, n_listed=n_listed)
+                    num_m_blocks=num_m_blocks, ragged=ragged, mTileList=mTileList, n_listed=n_listed,
+                    mSemaphores=mSemaphores)
         if num_splits > 1:
-            rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
-            SplitCombineSm90(self.cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits,
-                                                       stream)
+            # Without tile counters (ffi/kvcache.cc could not give any) a second kernel merges the splits.
+            if mSemaphores.shape[0] == 0:
+                rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
+                SplitCombineSm90(self.cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits,
+                                                           stream)
 
     def expect(self, seqlens: Seqlens):
         """An entry point adapts one family's C ABI, i.e. the tensors of one seqlens seam."""
@@ -229,7 +234,7 @@ class FlashAttentionForwardSm90:
     def launch(self, grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                window_left, window_right, mPageTable=None, mSeqlensK=None, mOaccum=None, mLSEaccum=None,
                mCuSeqlensQ=None, mCuSeqlensK=None, mSequsedK=None, num_splits=None, kv_len=None,
-               num_m_blocks=None, ragged=None, mTileList=None, n_listed=None):
+               num_m_blocks=None, ragged=None, mTileList=None, n_listed=None, mSemaphores=None):
         """TMA descriptors, shared storage and the launch of `kernel`, for the seams' tensors (the
         others None). K/V, and Q and O where TMA moves them, are (rows, d, h[, b]) here."""
         cfg, seams = self.cfg, self.seams
@@ -264,7 +269,7 @@ class FlashAttentionForwardSm90:
 
         self.kernel(
             mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-            mTileList,
+            mTileList, mSemaphores,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
             tiled_mma_qk, tiled_mma_pv,
@@ -289,6 +294,8 @@ class FlashAttentionForwardSm90:
                       sK=smem(cute.cosize(sKV_layout)), sV=smem(cute.cosize(sKV_layout)))
         if self.seams.epilogue is Epilogue.TMA_STORE:
             fields["sO"] = smem(sO_size)
+        if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
+            fields["merge_flag"] = cute.struct.MemRange[Int32, 1]  # epi.merge_splits_if_last's verdict
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def make_tiled_mmas(self, dtype, num_wg: int):
@@ -429,6 +436,7 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSequsedK: Optional[cute.Tensor],
         mTileList: Optional[cute.Tensor],  # KV cache: (sequence, m_block) pairs when n_listed > 0
+        mSemaphores: Optional[cute.Tensor],  # KV cache: tile counters of the fused combine (TileProblem)
         mSinks: cute.Tensor,
         tma_atom_Q: Optional[cute.CopyAtom],
         tma_atom_K: Optional[cute.CopyAtom],  # None: K/V gathered by cp.async (kv_gather)
@@ -464,10 +472,13 @@ class FlashAttentionForwardSm90:
         sO = None
         if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(cfg.separate_o) else sQ
+        sMergeFlag = None
+        if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
+            sMergeFlag = storage.merge_flag.get_tensor(cute.make_layout(1))
 
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
-                                                    num_m_blocks, ragged, mTileList, n_listed)
+                                                    num_m_blocks, ragged, mTileList, n_listed, mSemaphores)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if const_expr(self.kv_gather):  # the whole producer warpgroup gathers K/V rows
@@ -480,12 +491,12 @@ class FlashAttentionForwardSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
                          tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, scheduler,
-                         problem)
+                         problem, sMergeFlag)
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
                           window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, mTileList=None,
-                          n_listed=None):
+                          n_listed=None, mSemaphores=None):
         """The tile scheduler and the TileProblem of the seqlens seam: (m_block, head, batch) tiles
         of dense (s, d, h, b) tensors; of packed (t, d, h) ones, plus the padding pseudo-batch; of
         pack-GQA rows per KV head, times num_splits (ragged: plus the padding pseudo-batch)."""
@@ -514,7 +525,8 @@ class FlashAttentionForwardSm90:
             problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
                                   mCuSeqlensQ=mCuSeqlensQ, num_batch=num_batch, num_m_blocks=num_m_blocks,
                                   mSeqlensK=mSeqlensK, seqlen_q=mQ.shape[1], ragged=ragged,
-                                  qhead_per_kv=qhead_per_kv, num_splits=num_splits, capacity=capacity)
+                                  qhead_per_kv=qhead_per_kv, num_splits=num_splits, capacity=capacity,
+                                  mSemaphores=mSemaphores, heads_kv=mK.shape[2])
         return scheduler, problem
 
     @cute.jit
@@ -582,7 +594,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
                 tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale,
-                scheduler: StaticPersistentTileScheduler, problem: TileProblem):
+                scheduler: StaticPersistentTileScheduler, problem: TileProblem, sMergeFlag=None):
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - 128
         wg = 0  # one consumer warpgroup: a compile-time 0
@@ -615,7 +627,7 @@ class FlashAttentionForwardSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         args = (mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile)
+                pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile, sMergeFlag)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -634,11 +646,21 @@ class FlashAttentionForwardSm90:
             tile_idx = scheduler.next(tile_idx)
         if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
             epi.tma_store_drain(cfg, tidx)
+        if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
+            # The fused combine runs after the CTA's tiles (one per CTA in a split launch), where
+            # nothing of the mainloop is live: in the epilogue it made causal softcap spill.
+            if problem.fused_combine():
+                tile_idx = scheduler.first()
+                while tile_idx < num_tiles:
+                    work = scheduler.tile(tile_idx)
+                    epi.merge_splits_if_last(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work,
+                                             problem.seqlen(work.batch), problem)
+                    tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
     def consume_tile(self, work, seqlen: SeqlenInfo, state, q_state, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks,
                      sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, softcap_prescale,
-                     problem: TileProblem, tile):
+                     problem: TileProblem, tile, sMergeFlag=None):
         """One tile on the consumer warpgroups: Q, the mainloop over its K/V blocks, the epilogue."""
         cfg, seams = self.cfg, self.seams
         tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = tile.frags

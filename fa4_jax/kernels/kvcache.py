@@ -49,8 +49,9 @@ def compile_variant(variant: KVCacheVariant):
     lse, lse_accum = fake_f32(3), fake_f32(4)
     o_accum = _fake_o_accum(variant.head_dim)
     sinks = fake_f32(1, unit_stride=False)
+    semaphores = _fake_i32(1)
     f32, i32 = cutlass.Float32(1.0), cutlass.Int32(1)
     return cute.compile(
         make_kernel(variant), q, k, v, page_table, seqlens, cu_seqlens_q, tile_list, o, lse, o_accum, lse_accum,
-        sinks, f32, f32, i32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
+        sinks, semaphores, f32, f32, i32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
     )

@@ -42,6 +42,11 @@ class TileProblem:
     qhead_per_kv: Int32 | int = 1
     num_splits: Int32 | int = 1
     capacity: Int32 | None = None  # keys a sequence can hold: cache_seqlens are clamped to it
+    # CACHE with the combine fused (epilogue_sm90.merge_splits_if_last): one zeroed int32 counter per
+    # (batch, KV head, m_block) tile, (batch * heads_kv + head) * num_m_blocks + m_block; extent 0:
+    # the combine kernel merges the splits instead.
+    mSemaphores: cute.Tensor | None = None
+    heads_kv: Int32 | None = None
 
     @cute.jit
     def seqlen(self, batch: Int32) -> SeqlenInfo:
@@ -93,3 +98,9 @@ class TileProblem:
     def n_block_range(self, blocks: BlockInfo, work):
         """[n_block_min, n_block_max) of the tile (and its split)."""
         return blocks.n_block_min_max(work.m_block, work.split, self.num_splits)
+
+    @cute.jit
+    def fused_combine(self):
+        """CACHE: whether the last split CTA of each tile merges the tile's splits itself (not for a
+        ragged batch: its pseudo-batch rows belong to no tile's counter; the handler never asks)."""
+        return self.num_splits > 1 and self.mSemaphores.shape[0] > 0 and self.ragged == 0

@@ -5,8 +5,10 @@ keys of each sequence's cache -- or, ragged (a continuous-batching step), of pac
 (total_q, heads_q, d) where sequence b owns rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]); the FFI call
 then sees q as (1, total_q, heads_q, d). Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.kvcache) tile the query heads
 that share a KV head together (pack-GQA: K/V are read once per KV head), may split each sequence's
-keys over several CTAs (split-KV, `num_splits`), and merge the splits with a combine kernel launched
-by the same exported function. The handler is ffi/kvcache.cc.
+keys over several CTAs (split-KV, `num_splits`), and merge the splits in the last split CTA of each
+tile to finish (counting in on the device's zero-at-rest counters, ffi/runtime.h ZeroedCounters) or,
+for ragged calls and when the counters cannot serve, with a combine kernel launched by the same
+exported function. The handler is ffi/kvcache.cc.
 
 Compile-time: mask kind, softcap on/off, paged or contiguous cache (the producer's address
 arithmetic), query rows per tile (64 for decode, 128 for chunks). Run time: cache_seqlens, page
@@ -132,6 +134,10 @@ _PARAMS = (
     Field("float *", "o_accum", "(splits, qb, s_q, h_q, d) per-split normalised O (workspace)"),
     Field("float *", "lse_accum", "(splits, qb, h_q, s_q) per-split LSE (workspace)"),
     Field("float *", "sinks", "(h_q,) per-head logits joining the softmax denominator; -inf = none"),
+    Field("int32_t *", "semaphores", "(n_semaphores,) zeroed split counters, one per (b, h_k, m_block) tile, "
+                                     "that the kernel leaves zeroed: the last split of a tile merges its "
+                                     "splits; null = a combine kernel does"),
+    Field("int32_t", "n_semaphores", "0, or b * h_k * m_blocks (non-ragged calls with splits only)"),
     Field("int32_t", "b", "sequences (cache_seqlens' extent)"),
     Field("int32_t", "qb", "q's extent 0: b, or 1 for a ragged batch (s_q = total_q)"),
     Field("int32_t", "s_q"), Field("int32_t", "h_q"), Field("int32_t", "h_k"),
@@ -215,6 +221,7 @@ KVCACHE = KernelFamily(
         TensorArg("mLSEaccum", "p.lse_accum", ("p.splits_cap", "p.qb", "p.h_q", "p.s_q"),
                   tuple(f"p.lse_accum_stride[{i}]" for i in range(3))),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
+        TensorArg("mSemaphores", "p.semaphores", ("p.n_semaphores",), ("1",)),
     ),
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "num_splits", "ragged", "max_seqlen_q", "n_listed"),
