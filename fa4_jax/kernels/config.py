@@ -34,6 +34,9 @@ class Sm90FwdConfig:
     # Whether O may get its own smem staging buffer (see separate_o); the KV-cache kernel stores O
     # from registers and has none.
     o_staging: bool = True
+    # CTAs resident per SM: the launch asks ptxas for min_blocks_per_mp of them, so registers per
+    # thread are capped at 64K / (ctas * threads) and shared memory must fit ctas times.
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
         if self.tile_m % 64:
@@ -42,10 +45,10 @@ class Sm90FwdConfig:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256]: {self.tile_n=}")
         if self.head_dim % 16:
             raise ValueError(f"head_dim must be a multiple of 16: {self.head_dim=}")
-        if self.smem_bytes > SM90_SMEM_BYTES:
-            raise ValueError(f"tiles need {self.smem_bytes=} > {SM90_SMEM_BYTES} bytes of smem")
+        if self.smem_bytes > SM90_SMEM_BYTES // self.ctas_per_sm - (self.ctas_per_sm - 1) * 1024:
+            raise ValueError(f"tiles need {self.smem_bytes=} > {SM90_SMEM_BYTES} / {self.ctas_per_sm} bytes of smem")
         threads = 128 * (self.num_consumer_wg + 1)
-        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs)
+        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs) * self.ctas_per_sm
         if regs > SM90_REGS or threads > 1024:
             raise ValueError(f"register budget exceeded: {regs=} > {SM90_REGS}")
 
@@ -99,7 +102,8 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90
     budget of 32 hung on the H200 (the consumers waited forever to rise to 240); a paged one trades
     8 registers of each consumer for 16 more of its own. At tile_m 64 it is
     240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
-    64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup."""
+    64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup.
+    Contiguous decode at hd128 runs two CTAs per SM (ctas_per_sm; see below)."""
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs, consumer_regs = 24, 240
     if paged and tile_m == 128:
@@ -116,10 +120,19 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90
     # Two warpgroups take turns issuing their gemms (as the dense kernel does at hd <= 128), so that one's
     # softmax runs under the other's gemms: a chunk is compute-bound.
     pingpong = tile_m == 128 and head_dim <= 128
+    ctas = 1
+    if tile_m == 64 and not paged and head_dim == 128:
+        # Contiguous decode at hd128: two CTAs per SM (128 launch registers: 232 for the consumer
+        # warpgroup, 24 for the producer; 64-key blocks, two stages, 81 KB of shared memory each).
+        # Twice the resident warps and finer blocks draw HBM bandwidth more evenly: same-run A/B
+        # 0.976-0.987x the one-CTA kernel's time at 1 x 8k, 1 x 32k and 8 x 32k (docs/PERF.md).
+        # Not measured yet at hd64/96; the paged producer needs 64 registers, which would leave the
+        # consumer 192.
+        tile_n, ctas, consumer_regs = 64, 2, 232
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
-                             o_staging=False)
+                             o_staging=False, ctas_per_sm=ctas)
 
     stages = 2
     while stages < 4:

@@ -273,7 +273,16 @@ class FlashAttentionForwardSm90:
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
             tiled_mma_qk, tiled_mma_pv,
-        ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream,
+                                         **self.residency_kwargs())
+
+    def residency_kwargs(self) -> dict:
+        """Launch options for cfg.ctas_per_sm CTAs per SM. With more than one, the all-shared-memory
+        carveout is stated (percent): the DSL would otherwise ask the device for its per-SM shared
+        memory at compile time, and the build runs GPU-blind."""
+        if self.cfg.ctas_per_sm == 1:
+            return dict(min_blocks_per_mp=1)
+        return dict(min_blocks_per_mp=self.cfg.ctas_per_sm, preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------------------------------
     # Building blocks (called while tracing: plain Python that emits the same code wherever used).
