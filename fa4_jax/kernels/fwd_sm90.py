@@ -273,8 +273,7 @@ class FlashAttentionForwardSm90:
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
             tiled_mma_qk, tiled_mma_pv,
-        ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream,
-                                         **self.residency_kwargs())
+        ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency_kwargs())
 
     def residency_kwargs(self) -> dict:
         """Launch options for cfg.ctas_per_sm CTAs per SM. With more than one, the all-shared-memory
@@ -636,7 +635,7 @@ class FlashAttentionForwardSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         args = (mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile, sMergeFlag)
+                pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -669,7 +668,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def consume_tile(self, work, seqlen: SeqlenInfo, state, q_state, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks,
                      sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, softcap_prescale,
-                     problem: TileProblem, tile, sMergeFlag=None):
+                     problem: TileProblem, tile):
         """One tile on the consumer warpgroups: Q, the mainloop over its K/V blocks, the epilogue."""
         cfg, seams = self.cfg, self.seams
         tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = tile.frags
