@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from fa4_jax.ops.fwd.spec import FwdVariant
 
-# Hopper allows 227 KB of dynamic shared memory per CTA.
+# Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
+# 1 KB of it for each resident CTA.
 SM90_SMEM_BYTES = 227 * 1024
+SM90_SMEM_PER_SM = 228 * 1024
 # Registers per SM (64K 32-bit registers).
 SM90_REGS = 65536
 
@@ -45,12 +47,19 @@ class Sm90FwdConfig:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256]: {self.tile_n=}")
         if self.head_dim % 16:
             raise ValueError(f"head_dim must be a multiple of 16: {self.head_dim=}")
-        if self.smem_bytes > SM90_SMEM_BYTES // self.ctas_per_sm - (self.ctas_per_sm - 1) * 1024:
-            raise ValueError(f"tiles need {self.smem_bytes=} > {SM90_SMEM_BYTES} / {self.ctas_per_sm} bytes of smem")
+        if self.smem_bytes > self.smem_limit:
+            raise ValueError(f"tiles need {self.smem_bytes=} > {self.smem_limit} bytes of smem "
+                             f"({self.ctas_per_sm} CTAs per SM)")
         threads = 128 * (self.num_consumer_wg + 1)
         regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs) * self.ctas_per_sm
         if regs > SM90_REGS or threads > 1024:
             raise ValueError(f"register budget exceeded: {regs=} > {SM90_REGS}")
+
+    @property
+    def smem_limit(self) -> int:
+        """Shared memory one CTA may use with ctas_per_sm of them resident: the SM's 228 KB less 1 KB
+        reserved per CTA, shared out (227 KB for one CTA, 113 KB each for two)."""
+        return SM90_SMEM_PER_SM // self.ctas_per_sm - 1024
 
     @property
     def num_consumer_wg(self) -> int:
@@ -103,7 +112,7 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90
     8 registers of each consumer for 16 more of its own. At tile_m 64 it is
     240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
     64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup.
-    Contiguous decode at hd128 runs two CTAs per SM (ctas_per_sm; see below)."""
+    Decode at hd128 runs two CTAs per SM (ctas_per_sm; see below)."""
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs, consumer_regs = 24, 240
     if paged and tile_m == 128:
@@ -120,22 +129,25 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90
     # Two warpgroups take turns issuing their gemms (as the dense kernel does at hd <= 128), so that one's
     # softmax runs under the other's gemms: a chunk is compute-bound.
     pingpong = tile_m == 128 and head_dim <= 128
-    ctas = 1
-    if tile_m == 64 and not paged and head_dim == 128:
-        # Contiguous decode at hd128: two CTAs per SM (128 launch registers: 232 for the consumer
-        # warpgroup, 24 for the producer; 64-key blocks, two stages, 81 KB of shared memory each).
-        # Twice the resident warps and finer blocks draw HBM bandwidth more evenly: same-run A/B
-        # 0.976-0.987x the one-CTA kernel's time at 1 x 8k, 1 x 32k and 8 x 32k (docs/PERF.md).
-        # Not measured yet at hd64/96; the paged producer needs 64 registers, which would leave the
-        # consumer 192.
-        tile_n, ctas, consumer_regs = 64, 2, 232
+    ctas, max_stages = 1, 4
+    if tile_m == 64 and head_dim == 128:
+        # Decode at hd128: two CTAs per SM (128 launch registers, shared by setmaxnreg: 232 consumer /
+        # 24 producer, or 216 / 40 for the paged producer, which spills at 24 and does not at 40;
+        # 64-key blocks). Twice the resident warps and finer blocks draw HBM bandwidth more evenly.
+        # Same-run A/B against one CTA per SM (docs/PERF.md): contiguous 0.976-0.987x the time at
+        # 1 x 8k, 1 x 32k and 8 x 32k with two stages (81 KB; three, 113 KB, measured no better);
+        # paged 0.92-0.97x at 8 x 32k (pages 16 / 64) with three stages, which beat two there.
+        # Not measured yet at hd64/96.
+        tile_n, ctas = 64, 2
+        producer_regs, consumer_regs = (40, 216) if paged else (24, 232)
+        max_stages = 3 if paged else 2
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas)
 
     stages = 2
-    while stages < 4:
+    while stages < max_stages:
         try:
             config(stages + 1)
         except ValueError:  # out of shared memory
