@@ -3,14 +3,14 @@
 in its own process (one library per process: the FFI targets share names), alternated A B A B so
 board drift hits both alike.
 
-    python tools/ab_kernels.py A=fa4_jax/_lib/libfa4_jax.so B=.base_lib/libfa4_jax.so [--rounds 2]
+    python tools/ab_kernels.py A=fa4_jax/_lib/libfa4_jax.so B=.base_lib/libfa4_jax.so [C=...] [--rounds 2]
     python tools/ab_kernels.py --child            # one library's numbers as JSON (FA4_JAX_LIBRARY)
 
 Rows (bf16, device time = 20 dependent calls inside one jitted, unrolled fori_loop, docs/BENCHMARKING.md;
 prefill rows = back-to-back calls): decode 32/8 heads d128 at 1 x 8k, 1 x 32k, 8 x 32k with full
 caches and with lengths 37 short of a 128-key block (the tail a KV cache usually has), contiguous and
-paged (page 64); varlen 8 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and
-hd64 1k causal. Prints, per row, the median over rounds of each library's time and B/A.
+paged (page 64; pages 16 and 1 on full caches); varlen 8 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and
+hd64 1k causal. Prints, per row, the median over rounds of each library's time and its ratio to the first library's.
 """
 
 from __future__ import annotations
@@ -62,15 +62,18 @@ def _child() -> dict:
         ks = jax.random.split(jax.random.key(b * cap), 3)
         q = normal(ks[0], (b, 1, h_q, d))
         k, v = normal(ks[1], (b, cap, h_k, d)), normal(ks[2], (b, cap, h_k, d))
-        kp, vp = (x.reshape(b * cap // 64, 64, h_k, d) for x in (k, v))
-        table = jax.random.permutation(ks[0], b * cap // 64).reshape(b, cap // 64).astype(jnp.int32)
         for tail, n in (("full", cap), ("tail", cap - 37)):
             lens = jnp.full((b,), n, jnp.int32)
             f, reps = looped(lambda q, k, v, lens: fa4_jax.attention_with_kvcache(q, k, v, lens, implementation="fa4"))
             timed(f"decode {b}x{cap // 1024}k {tail}", f, (q, k, v, lens), reps)
-            f, reps = looped(lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(
-                q, k, v, lens, page_table=t, implementation="fa4"))
-            timed(f"decode {b}x{cap // 1024}k {tail} paged64", f, (q, kp, vp, lens, table), reps)
+            # Page 64 (TMA pieces) on both; page 16 (one TMA box per page) and page 1 (the cp.async
+            # row gather) on full caches only.
+            for page in (64, 16, 1) if tail == "full" else (64,):
+                kp, vp = (x.reshape(b * cap // page, page, h_k, d) for x in (k, v))
+                table = jax.random.permutation(ks[0], b * cap // page).reshape(b, cap // page).astype(jnp.int32)
+                f, reps = looped(lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(
+                    q, k, v, lens, page_table=t, implementation="fa4"))
+                timed(f"decode {b}x{cap // 1024}k {tail} paged{page}", f, (q, kp, vp, lens, table), reps)
 
     lens = [2000, 1999, 2001, 1950, 2047, 2000, 1000, 3053]
     cu = jnp.asarray([0] + list(jnp.cumsum(jnp.asarray(lens))), jnp.int32)
@@ -101,8 +104,8 @@ def main() -> int:
         print(json.dumps(_child()))
         return 0
     libs = dict(x.split("=", 1) for x in args.libs)
-    if len(libs) != 2:
-        ap.error("give exactly two NAME=path libraries")
+    if len(libs) < 2:
+        ap.error("give two or more NAME=path libraries (the first is the baseline)")
     times: dict[str, dict[str, list[float]]] = {name: {} for name in libs}
     for r in range(args.rounds):
         for name, path in libs.items():
@@ -114,11 +117,16 @@ def main() -> int:
             for row, t in json.loads(res.stdout.strip().splitlines()[-1]).items():
                 times[name].setdefault(row, []).append(t)
             print(f"round {r + 1}: {name} done", flush=True)
-    a, b = list(libs)
-    print(f"\n{'row':<32} {a + ' us':>10} {b + ' us':>10} {b + '/' + a:>8}   (median of {args.rounds} rounds)")
-    for row in [r for r in times[a] if r in times[b]]:
-        ta, tb = statistics.median(times[a][row]), statistics.median(times[b][row])
-        print(f"{row:<32} {ta * 1e6:10.1f} {tb * 1e6:10.1f} {tb / ta:8.3f}")
+    a, *others = list(libs)
+    head = "".join(f" {b + ' us':>10} {b + '/' + a:>8}" for b in others)
+    print(f"\n{'row':<32} {a + ' us':>10}{head}   (median of {args.rounds} rounds)")
+    for row in [r for r in times[a] if all(r in times[b] for b in others)]:
+        ta = statistics.median(times[a][row])
+        cells = ""
+        for b in others:
+            tb = statistics.median(times[b][row])
+            cells += f" {tb * 1e6:10.1f} {tb / ta:8.3f}"
+        print(f"{row:<32} {ta * 1e6:10.1f}{cells}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(times, f, indent=1)
