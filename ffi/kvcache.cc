@@ -146,7 +146,8 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
 
   DeviceInfo dev;
   const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
-  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged, tile_m, paged ? c.page_rows : kPageRows},
+  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged, tile_m,
+                                    static_cast<int>(paged ? c.page_rows : kPageRows)},
                   dev, r);
       err.failure())
     return err;
