@@ -28,7 +28,6 @@ from pathlib import Path
 
 from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, HEAD_DIMS, KernelFamily, default_menu
 from fa4_jax.families.base import PublicEntry
-from fa4_jax.families import mask_kind
 from fa4_jax.ops.kvcache.spec import PAGE_SIZES
 
 
@@ -98,7 +97,8 @@ class EntryPoint:
             s_q = next(q for title, q, _ in self.seqlens if title == seqlens)
             fields.update(self.entry.shape_fields(seqlen_q=s_q, page_size=page_size))
         try:
-            return self.family.variant(arch=arch, dtype=dtype, head_dim=head_dim, mask=mask_kind(*WINDOWS[mask]),
+            return self.family.variant(arch=arch, dtype=dtype, head_dim=head_dim,
+                                       mask=self.family.kernel_mask(*WINDOWS[mask]),
                                        softcap=softcap, **fields)
         except ValueError:
             return None

@@ -145,8 +145,9 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   const int64_t tiles = (n_listed > 0 ? n_listed : m_blocks * b) * h_k;
 
   DeviceInfo dev;
-  const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
-  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0, paged, tile_m,
+  // One `local` kernel serves every window (spec.MASK): ResolveAttention turned an unbounded side into
+  // a bound that covers every key.
+  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), Mask::kLocal, c.softcap > 0, paged, tile_m,
                                     static_cast<int>(paged ? c.page_rows : kPageRows)},
                   dev, r);
       err.failure())

@@ -582,6 +582,20 @@ def test_variant_reflects_mask_and_softcap(hopper, case):
     assert eqn.params["implementation"] == "fa4"
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(causal=True), dict(window_size=(16, 0)), dict(window_size=(-1, 3)),
+                                    dict(causal=True, window_size=(7, -1))],
+                         ids=["none", "causal", "causal_window", "right_window", "causal_left"])
+@pytest.mark.parametrize("s_q", [1, 24])
+def test_kvcache_calls_of_every_window_need_the_local_variant(hopper, kwargs, s_q):
+    # The KV-cache family compiles one mask kind (spec.MASK): the plain and causal calls too are served
+    # by the window kernel, the handler bounding an unbounded side by the keys.
+    calls = hopper(built=default_menu())
+    q, k, v = make_qkv(31, s_q=s_q, s_k=96)
+    lens = jnp.asarray([96, 50], jnp.int32)
+    jax.make_jaxpr(functools.partial(fa4_jax.attention_with_kvcache, implementation="fa4", **kwargs))(q, k, v, lens)
+    assert calls == ["register", ("prepare", "fa4_kvcache_sm90_bf16_hd64_local", 3)], f"{calls=}"
+
+
 # -- transformations ----------------------------------------------------------------------------
 
 def test_jit_with_static_arguments():

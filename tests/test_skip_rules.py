@@ -81,7 +81,7 @@ def test_missing_library_fails(monkeypatch):
 
 
 HAVE = FwdVariant("sm90", "bf16", 128, "causal", False)
-LACK = KVCacheVariant("sm90", "fp16", 64, "full", False, True)
+LACK = KVCacheVariant("sm90", "fp16", 64, "local", False, True)
 
 
 def test_present_variant_runs(monkeypatch):

@@ -234,6 +234,9 @@ class KernelFamily:
     handler: str  # the hand-written C++ Resolve (checks -> kernel params), relative to the repository root
     compile: str  # "module:function" that compiles one variant GPU-blind (build time only)
     default_menu: Callable[[], tuple]
+    # The variant's mask kind for a call's normalised window (left, right; -1 = unbounded): what the
+    # lowering, the support matrix and the tests ask for. The handler picks the same kind in C++.
+    kernel_mask: Callable[[int, int], str]
     entries: tuple[PublicEntry, ...] = ()  # the public functions it serves, for the support matrix
 
     def __post_init__(self):

@@ -161,5 +161,6 @@ FWD = KernelFamily(
     handler="ffi/fwd.cc",
     compile="fa4_jax.kernels.fwd:compile_variant",
     default_menu=default_menu,
+    kernel_mask=mask_kind,
     entries=(PublicEntry("attention", "attention", (("seqlen_q == seqlen_k", 64, 64), ("seqlen_q != seqlen_k", 32, 64))),),
 )

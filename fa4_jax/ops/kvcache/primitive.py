@@ -23,7 +23,7 @@ from fa4_jax.core import compat, cudnn
 from fa4_jax.core.ffi_call import kernel_call
 from fa4_jax.core.primitive import OperandLayout, fold_query_slices, moved, primitive_pair, register
 from fa4_jax.core.validation import check_index, check_kvcache, check_sinks, dtype_tag
-from fa4_jax.families import KVCacheVariant, mask_kind
+from fa4_jax.families import KVCacheVariant
 from fa4_jax.ops.kvcache import sharding
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
@@ -113,8 +113,8 @@ def split_capacity(q_shape, k_shape, page_table_shape, num_splits: int) -> int:
 
 def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVariant:
     """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
-    return KVCacheVariant(arch, dtype_tag(dtype), head_dim, mask_kind(params["window_left"], params["window_right"]),
-                          params["softcap"] > 0, params["paged"], params["tile_m"],
+    mask = KVCACHE.kernel_mask(params["window_left"], params["window_right"])
+    return KVCacheVariant(arch, dtype_tag(dtype), head_dim, mask, params["softcap"] > 0, params["paged"], params["tile_m"],
                           params["page_rows"] if params["paged"] else PAGE_ROWS)
 
 

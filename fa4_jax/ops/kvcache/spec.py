@@ -10,9 +10,10 @@ tile to finish (counting in on the device's zero-at-rest counters, ffi/runtime.h
 for ragged calls and when the counters cannot serve, with a combine kernel launched by the same
 exported function. The handler is ffi/kvcache.cc.
 
-Compile-time: mask kind, softcap on/off, paged or contiguous cache (the producer's address
-arithmetic), query rows per tile (64 for decode, 128 for chunks). Run time: cache_seqlens, page
-table, page size, ragged offsets, window bounds, softcap value, sinks, num_splits.
+Compile-time: softcap on/off, paged or contiguous cache (the producer's address arithmetic), query
+rows per tile (64 for decode, 128 for chunks). Run time: cache_seqlens, page table, page size, ragged
+offsets, window bounds (one `local` kernel serves every window, full and causal included: MASK),
+softcap value, sinks, num_splits.
 """
 
 from __future__ import annotations
@@ -21,8 +22,23 @@ from dataclasses import dataclass
 
 from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
 from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, HEAD_DIMS, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, HEAD_DIMS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
 from fa4_jax.ops.fwd.spec import FwdVariant
+
+# The one mask kind this family compiles. The handler turns an unbounded window side into a bound that
+# covers every key (handler_util.h ResolveAttention), so the `local` kernel computes full and causal
+# calls as well -- at their own kernels' speed on this family's shapes (same run on the H200,
+# docs/PERF.md: decode 1 x 8k .. 8 x 32k 0.98-1.00x, causal 512-row chunks 1.00x): decode is bound
+# by K/V bandwidth, and only the diagonal blocks of a chunk pay the left-edge compare. One kind
+# instead of three keeps the family at 120 variants, a third of the build.
+MASK = "local"
+
+
+def kernel_mask(window_left: int, window_right: int) -> str:
+    """The family's kernel_mask: MASK for every window."""
+    del window_left, window_right
+    return MASK
+
 
 # Packed query rows (queries x q-heads per KV head) of one tile: 64 (one consumer warpgroup) while a
 # sequence has at most 64 rows (decode, speculative decode), else 128 (two warpgroups: chunked
@@ -67,7 +83,8 @@ def auto_split_capacity(batch: int, heads_kv: int, rows: int, keys: int) -> int:
 @dataclass(frozen=True, order=True)
 class KVCacheVariant(FwdVariant):
     """One KV-cache attention kernel: the dense variant's fields (arch x dtype x head_dim x mask kind x
-    softcap), then paged (the producer's address arithmetic)."""
+    softcap; the mask kind is always MASK), then paged (the producer's address arithmetic), the query
+    tile and the rows per page piece."""
 
     FAMILY_PREFIX = "fa4_kvcache"
 
@@ -77,7 +94,7 @@ class KVCacheVariant(FwdVariant):
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged",))
+        self.check_fields({"mask": (MASK,), "tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged",))
         if not self.paged and self.page_rows != PAGE_ROWS:
             raise ValueError(f"page_rows applies to paged caches only: {self.page_rows=} with paged=False")
 
@@ -108,10 +125,9 @@ class KVCacheVariant(FwdVariant):
 
 def default_menu() -> tuple[KVCacheVariant, ...]:
     return tuple(
-        KVCacheVariant("sm90", dtype, hd, mask, softcap, paged, tile_m, page_rows)
+        KVCacheVariant("sm90", dtype, hd, MASK, softcap, paged, tile_m, page_rows)
         for dtype in DTYPES
         for hd in HEAD_DIMS
-        for mask in MASKS
         for softcap in (False, True)
         for paged in (False, True)
         for tile_m in TILE_MS
@@ -227,11 +243,12 @@ KVCACHE = KernelFamily(
                               "num_splits", "ragged", "max_seqlen_q", "n_listed"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
                          KeyField("page_rows", "int", int_literal)),
-    enums={"Mask": MASKS},
+    enums={"Mask": (MASK,)},
     call=CALL,
     handler="ffi/kvcache.cc",
     compile="fa4_jax.kernels.kvcache:compile_variant",
     default_menu=default_menu,
+    kernel_mask=kernel_mask,
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
                               (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
                               (("paged", paged),), _shape_fields)

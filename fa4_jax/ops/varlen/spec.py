@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from fa4_jax.families.base import Attr, Buffer, CallSignature, Field, KernelFamily, PublicEntry, TensorArg, params_as_scalars
 from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, FwdVariant
+from fa4_jax.ops.fwd.spec import mask_kind
 from fa4_jax.ops.fwd.spec import default_menu as fwd_default_menu
 
 
@@ -89,5 +90,6 @@ VARLEN = KernelFamily(
     handler="ffi/varlen.cc",
     compile="fa4_jax.kernels.varlen:compile_variant",
     default_menu=default_menu,
+    kernel_mask=mask_kind,
     entries=(PublicEntry("attention_varlen", "attention_varlen", (("any lengths", 32, 64),)),),
 )
