@@ -36,3 +36,156 @@ EXP2_POLY_MAX_REL_ERR = 9.36e-5
 EXP2_MIN_X = -126.0
 # Rescale O / the row sum only when the row max grows by more than this (log2 units): 2^8 headroom.
 RESCALE_THRESHOLD_LOG2 = 8.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile configuration of the SM100 forward kernel (FA4_NOTES.md, "Forward pipeline on SM100").
+#
+# One CTA of 16 warps (512 threads): softmax warpgroups 0 and 1 (warps 0-7, one thread per row of a
+# 128-row Q tile each), the correction warpgroup (8-11: rescales O in Tensor Memory, writes the
+# epilogue), then one MMA warp (12, a single thread issues tcgen05.mma), one epilogue warp (13, TMA
+# store of O), one load warp (14, TMA of Q/K/V) and one spare (15). With q_stage 1 (one Q tile per
+# CTA) softmax warpgroup 1 idles at its minimum budget.
+#
+# Tensor Memory is 128 lanes x 512 columns of 32 bits. A Q tile's scores S (128 x tile_n fp32) take
+# tile_n columns; its P (bf16, two per column) is written over the upper half of its own S, which
+# the MMA warp has consumed by then; its O accumulator (128 x head_dim fp32) takes head_dim columns.
+# Both S buffers always exist (S of one tile is computed while the other's softmax runs: with one Q
+# tile, S of the next key block while the softmax of this one runs), so
+#     columns = 2 * tile_n + q_stage * head_dim <= 512,
+# which is why two Q tiles per CTA (ping-pong) stop at head_dim 128: 256 + 2 * 192 = 640.
+# ------------------------------------------------------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+SM100_SMEM_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_100 (same cap as sm_90)
+# What Q, O and the K/V stages may take of it; the rest holds the mbarriers, the TMEM address and
+# alignment padding (FlashAttention-4 leaves the same 3 KB).
+SM100_TILE_SMEM_BYTES = 224 * 1024
+TMEM_COLUMNS = 512
+TMEM_LANES = 128
+# setmaxnreg budgets are per thread of a warpgroup; the CTA's 64K registers over 512 threads make the
+# four warpgroups' budgets sum to 4 x 128.
+SM100_REG_SLOTS = 512
+SM100_MAX_KV_STAGES = 8
+MIN_KV_STAGES = 3
+NUM_WARPS = 16
+WARP_ROLES = {
+    "softmax0": (0, 1, 2, 3),
+    "softmax1": (4, 5, 6, 7),
+    "correction": (8, 9, 10, 11),
+    "mma": (12,),
+    "epilogue": (13,),
+    "load": (14,),
+    "spare": (15,),
+}
+
+
+@dataclass(frozen=True)
+class Sm100FwdConfig:
+    head_dim: int
+    q_stage: int           # 128-row Q tiles per CTA: 2 = the two softmax warpgroups ping-pong
+    kv_stages: int         # K/V pipeline depth, in tiles (K and V tiles share one ring)
+    softmax_regs: int      # setmaxnreg per softmax warpgroup
+    correction_regs: int   # setmaxnreg of the correction warpgroup
+    other_regs: int        # setmaxnreg of the MMA / epilogue / load / spare warpgroup
+    exp2_fma_fraction: float  # share of the softmax's 2^x taken on the FMA pipe (EXP2_POLY)
+    tile_m: int = 128      # rows per Q tile: one per softmax thread, and tcgen05.mma's M
+    tile_n: int = 128      # keys per K/V tile
+    # O's staging tile for the TMA store reuses Q's buffer (their lifetimes within a tile do not
+    # overlap; the next tile's Q then waits for the store): what keeps >= 3 K/V stages at hd > 128.
+    o_over_q: bool = False
+
+    def __post_init__(self):
+        if self.q_stage not in (1, 2):
+            raise ValueError(f"q_stage must be 1 or 2: {self.q_stage=}")
+        if self.head_dim % 16 or not 16 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be a multiple of 16 in [16, 256]: {self.head_dim=}")
+        if self.tmem_columns > TMEM_COLUMNS:
+            raise ValueError(f"TMEM needs {self.tmem_columns} columns > {TMEM_COLUMNS} "
+                             f"({self.q_stage=}, {self.head_dim=})")
+        if self.tile_smem_bytes > SM100_TILE_SMEM_BYTES:
+            raise ValueError(f"tiles need {self.tile_smem_bytes} > {SM100_TILE_SMEM_BYTES} bytes of smem")
+        if self.kv_stages < MIN_KV_STAGES:
+            raise ValueError(f"{self.kv_stages=} < {MIN_KV_STAGES}: K_j, V_j and K_(j+1) must be in flight together")
+        budgets = (self.softmax_regs, self.softmax_regs, self.correction_regs, self.other_regs)
+        if sum(budgets) != SM100_REG_SLOTS or any(r % 8 or not 24 <= r <= 256 for r in budgets):
+            raise ValueError(f"setmaxnreg budgets {budgets} must be multiples of 8 in [24, 256] summing to "
+                             f"{SM100_REG_SLOTS}")
+        if not 0.0 <= self.exp2_fma_fraction <= 0.5:
+            raise ValueError(f"exp2_fma_fraction must be in [0, 0.5]: {self.exp2_fma_fraction=}")
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * NUM_WARPS
+
+    @property
+    def tmem_map(self) -> dict[str, tuple[int, int]]:
+        """[first, end) TMEM columns of each buffer: S0, S1, then O of each Q tile; P_i is the upper
+        half of S_i (bf16 packs two to a column)."""
+        cols = {"S0": (0, self.tile_n), "S1": (self.tile_n, 2 * self.tile_n)}
+        for i in range(2):
+            half = cols[f"S{i}"][0] + self.tile_n // 2
+            cols[f"P{i}"] = (half, half + self.tile_n // 2)
+        for i in range(self.q_stage):
+            first = 2 * self.tile_n + i * self.head_dim
+            cols[f"O{i}"] = (first, first + self.head_dim)
+        return cols
+
+    @property
+    def tmem_columns(self) -> int:
+        return 2 * self.tile_n + self.q_stage * self.head_dim
+
+    @property
+    def tmem_alloc_columns(self) -> int:
+        """tcgen05.alloc takes a power of two >= 32 columns."""
+        n = 32
+        while n < self.tmem_columns:
+            n *= 2
+        return n
+
+    @property
+    def q_bytes(self) -> int:
+        return self.q_stage * self.tile_m * self.head_dim * 2
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.tile_n * self.head_dim * 2
+
+    @property
+    def tile_smem_bytes(self) -> int:
+        """Q tiles, an O staging tile per Q tile (the epilogue's TMA store) unless O reuses Q's, the
+        K/V ring."""
+        return (1 if self.o_over_q else 2) * self.q_bytes + self.kv_stages * self.kv_tile_bytes
+
+
+def _kv_stages(head_dim: int, q_stage: int, tile_n: int, o_over_q: bool, tile_m: int = 128) -> int:
+    """As many K/V tiles as the shared memory left by Q and O holds (capped: past a few stages the
+    loads are far enough ahead)."""
+    q_and_o = (1 if o_over_q else 2) * q_stage * tile_m * head_dim * 2
+    return min((SM100_TILE_SMEM_BYTES - q_and_o) // (tile_n * head_dim * 2), SM100_MAX_KV_STAGES)
+
+
+def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdConfig:
+    """The configuration for one head dim. packed_rows (rows of one (sequence, KV head) tile after
+    pack-GQA, when known): a decode-shaped call with <= 128 rows gets one Q tile per CTA, as does
+    every head_dim > 128 (TMEM: 2 * 128 + 2 * 192 > 512). Past head_dim 128, O's staging reuses Q's
+    smem, and at 256 the K/V tiles are 64 keys, to keep >= 3 K/V stages. Register budgets follow
+    the roles' needs: the softmax threads hold a row of S (tile_n fp32) and its P; the correction
+    threads one O column slice at a time; the single-thread warps (MMA, load, epilogue) next to
+    nothing."""
+    q_stage = 2 if head_dim <= 128 and (packed_rows is None or packed_rows > 128) else 1
+    tile_n = 64 if head_dim > 192 else 128
+    o_over_q = head_dim > 128
+    if q_stage == 2:
+        softmax, correction = 192, 80
+    else:
+        # One softmax warpgroup works (the other idles at the same budget: setmaxnreg is per
+        # warpgroup, and both run one code path); the correction warpgroup, which writes
+        # head_dim-wide O rows in the epilogue, gets the rest.
+        softmax, correction = 176, 104
+    other = SM100_REG_SLOTS - 2 * softmax - correction
+    # FMA-pipe exp2 pays where MUFU binds, head_dim <= 128 (T_exp >= T_mma, FA4_NOTES.md); the
+    # starting fractions, to be tuned on hardware (tools/validate_sm100.py), sit in FA4's 10-25%.
+    fraction = {64: 0.25, 96: 0.1875, 128: 0.125}.get(head_dim, 0.0)
+    return Sm100FwdConfig(head_dim, q_stage, _kv_stages(head_dim, q_stage, tile_n, o_over_q), softmax, correction,
+                          other, fraction, tile_n=tile_n, o_over_q=o_over_q)
