@@ -70,9 +70,13 @@ def _check_register_pool(module, variant, obj: Path) -> None:
 
 
 # The DSL's trace-time target (which instructions its atoms admit: wgmma on sm_90a, tcgen05 on
-# sm_100a) is read from this variable once, when `cutlass` is imported; the `--gpu-arch` compile
-# option alone drives code generation only. So every process compiles one architecture, and the
-# variable is set before its first `import cutlass`. GPU-blind, never from a device query.
+# sm_100a). In cutlass-dsl 4.8.1 `cute.compile` takes it from the `--gpu-arch` option and reads this
+# variable (once, at `import cutlass`) only when the option is empty -- verified GPU-blind: an
+# sm_100a tcgen05 kernel compiles with CUTE_DSL_ARCH=sm_90a, and the Hopper objects are identical
+# with and without the variable (tools/sm100_probe.py). Each process still compiles one
+# architecture and sets the variable to match before it imports cutlass, so that nothing the DSL
+# reads at import can disagree with the option. GPU-blind, never from a device query (unset and
+# GPU-less, the DSL assumes sm_100a).
 DSL_ARCH_ENV = "CUTE_DSL_ARCH"
 
 
