@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from fa4_jax.kernels.config_sm100 import (
-    MIN_KV_STAGES, NUM_WARPS, SM100_REG_SLOTS, SM100_SMEM_BYTES, SM100_TILE_SMEM_BYTES, TMEM_COLUMNS, WARP_ROLES,
-    Sm100FwdConfig, sm100_fwd_config,
+    MIN_KV_STAGES, SM100_REGS, SM100_SMEM_BYTES, SM100_TILE_SMEM_BYTES, TMEM_COLUMNS, WARP_ROLES_BY_Q_STAGE,
+    Sm100FwdConfig, launch_regs, sm100_fwd_config,
 )
 from fa4_jax.ops.fwd.spec import HEAD_DIMS
 
@@ -53,11 +53,15 @@ def test_shared_memory_stages_and_registers(hd, rows, cfg):
     assert cfg.kv_stages >= MIN_KV_STAGES
     # One more stage would not fit (or the cap is reached): the ring takes what smem leaves.
     assert cfg.kv_stages == 8 or q + o + (cfg.kv_stages + 1) * cfg.tile_n * hd * elem > SM100_TILE_SMEM_BYTES
-    budgets = (cfg.softmax_regs, cfg.softmax_regs, cfg.correction_regs, cfg.other_regs)
-    assert sum(budgets) == SM100_REG_SLOTS and all(r % 8 == 0 and 24 <= r <= 256 for r in budgets)
-    # The softmax threads hold their row of S (tile_n fp32) plus its bf16 P and the row's state.
+    budgets = cfg.warpgroup_regs
+    assert len(budgets) == cfg.num_threads // 128 == cfg.q_stage + 2
+    # setmaxnreg only moves registers inside the launch allocation: budgets past it hang the kernel.
+    alloc = launch_regs(cfg.num_threads)
+    assert alloc * cfg.num_threads <= SM100_REGS and sum(budgets) == alloc * len(budgets)
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in budgets)
+    # The softmax threads hold their row of S (tile_n fp32) plus the row's state.
     assert cfg.softmax_regs >= cfg.tile_n + 32
-    assert cfg.num_threads == 512 == 32 * NUM_WARPS
+    assert cfg.num_threads == (512 if cfg.q_stage == 2 else 384)
 
 
 @pytest.mark.parametrize("hd,rows,cfg", CONFIGS, ids=IDS)
@@ -68,12 +72,17 @@ def test_two_q_tiles_exactly_where_tmem_and_the_rows_allow(hd, rows, cfg):
     assert (0.1 <= cfg.exp2_fma_fraction <= 0.25) if hd <= 128 else cfg.exp2_fma_fraction == 0.0
 
 
-def test_warp_roles_cover_the_cta_once():
-    warps = sorted(w for ws in WARP_ROLES.values() for w in ws)
-    assert warps == list(range(NUM_WARPS))
-    assert all(len(WARP_ROLES[r]) == 4 for r in ("softmax0", "softmax1", "correction"))
-    # The single-warp roles share the fourth warpgroup (its setmaxnreg budget is other_regs).
-    assert {w // 4 for r in ("mma", "epilogue", "load", "spare") for w in WARP_ROLES[r]} == {3}
+@pytest.mark.parametrize("q_stage", [1, 2])
+def test_warp_roles_cover_the_cta_once(q_stage):
+    roles = WARP_ROLES_BY_Q_STAGE[q_stage]
+    warps = sorted(w for ws in roles.values() for w in ws)
+    assert warps == list(range(len(warps))) and len(warps) == 4 * (q_stage + 2)
+    softmax = [r for r in roles if r.startswith("softmax")]
+    assert len(softmax) == q_stage and all(len(roles[r]) == 4 for r in (*softmax, "correction"))
+    # Warpgroup order matches warpgroup_regs: softmax ones, correction, then the single-warp roles.
+    assert [w // 4 for r in softmax for w in roles[r][:1]] == list(range(q_stage))
+    assert roles["correction"][0] // 4 == q_stage
+    assert {w // 4 for r in roles if r not in (*softmax, "correction") for w in roles[r]} == {q_stage + 1}
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -91,5 +100,6 @@ def test_impossible_configurations_are_refused(kwargs, match):
 
 
 def test_register_budgets_must_fill_the_register_file():
-    with pytest.raises(ValueError, match=r"setmaxnreg budgets \(200, 200, 80, 48\) must be multiples of 8"):
+    with pytest.raises(ValueError, match=r"setmaxnreg budgets \(200, 200, 80, 48\) must be multiples of 8 in "
+                                         r"\[24, 256\] summing to 512 \(the launch allocation of 512 threads\)"):
         Sm100FwdConfig(128, 2, 3, 200, 80, 48, 0.125)

@@ -63,21 +63,25 @@ SM100_SMEM_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_100 (same c
 SM100_TILE_SMEM_BYTES = 224 * 1024
 TMEM_COLUMNS = 512
 TMEM_LANES = 128
-# setmaxnreg budgets are per thread of a warpgroup; the CTA's 64K registers over 512 threads make the
-# four warpgroups' budgets sum to 4 x 128.
-SM100_REG_SLOTS = 512
+SM100_REGS = 65536  # 32-bit registers per SM: one CTA per SM takes them all
 SM100_MAX_KV_STAGES = 8
 MIN_KV_STAGES = 3
-NUM_WARPS = 16
-WARP_ROLES = {
-    "softmax0": (0, 1, 2, 3),
-    "softmax1": (4, 5, 6, 7),
-    "correction": (8, 9, 10, 11),
-    "mma": (12,),
-    "epilogue": (13,),
-    "load": (14,),
-    "spare": (15,),
+# Warp roles. Two Q tiles per CTA (q_stage 2): 16 warps, FlashAttention-4's layout; one Q tile: 12
+# warps, the second softmax warpgroup dropped and the single-warp roles moved up.
+WARP_ROLES_BY_Q_STAGE = {
+    2: {"softmax0": (0, 1, 2, 3), "softmax1": (4, 5, 6, 7), "correction": (8, 9, 10, 11), "mma": (12,),
+        "epilogue": (13,), "load": (14,), "spare": (15,)},
+    1: {"softmax0": (0, 1, 2, 3), "correction": (4, 5, 6, 7), "mma": (8,), "load": (9,), "spare": (10, 11)},
 }
+WARP_ROLES = WARP_ROLES_BY_Q_STAGE[2]
+NUM_WARPS = 16
+
+
+def launch_regs(threads: int) -> int:
+    """Registers per thread a CTA of `threads` launches with when it alone fills the SM (allocation in
+    units of 8): setmaxnreg moves registers between warpgroups inside that pool only (a budget
+    past it hangs the kernel), so the warpgroups' budgets sum to this times their number."""
+    return SM100_REGS // threads // 8 * 8
 
 
 @dataclass(frozen=True)
@@ -107,16 +111,27 @@ class Sm100FwdConfig:
             raise ValueError(f"tiles need {self.tile_smem_bytes} > {SM100_TILE_SMEM_BYTES} bytes of smem")
         if self.kv_stages < MIN_KV_STAGES:
             raise ValueError(f"{self.kv_stages=} < {MIN_KV_STAGES}: K_j, V_j and K_(j+1) must be in flight together")
-        budgets = (self.softmax_regs, self.softmax_regs, self.correction_regs, self.other_regs)
-        if sum(budgets) != SM100_REG_SLOTS or any(r % 8 or not 24 <= r <= 256 for r in budgets):
+        budgets = self.warpgroup_regs
+        pool = launch_regs(self.num_threads) * len(budgets)
+        if sum(budgets) != pool or any(r % 8 or not 24 <= r <= 256 for r in budgets):
             raise ValueError(f"setmaxnreg budgets {budgets} must be multiples of 8 in [24, 256] summing to "
-                             f"{SM100_REG_SLOTS}")
+                             f"{pool} (the launch allocation of {self.num_threads} threads)")
         if not 0.0 <= self.exp2_fma_fraction <= 0.5:
             raise ValueError(f"exp2_fma_fraction must be in [0, 0.5]: {self.exp2_fma_fraction=}")
 
     @property
+    def warp_roles(self) -> dict[str, tuple[int, ...]]:
+        return WARP_ROLES_BY_Q_STAGE[self.q_stage]
+
+    @property
     def num_threads(self) -> int:
-        return 32 * NUM_WARPS
+        return 32 * sum(len(w) for w in self.warp_roles.values())
+
+    @property
+    def warpgroup_regs(self) -> tuple[int, ...]:
+        """setmaxnreg of each warpgroup in warp order: the softmax ones, the correction one, the one
+        of the single-warp roles."""
+        return (self.softmax_regs,) * self.q_stage + (self.correction_regs, self.other_regs)
 
     @property
     def tmem_map(self) -> dict[str, tuple[int, int]]:
@@ -169,21 +184,24 @@ def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdC
     """The configuration for one head dim. packed_rows (rows of one (sequence, KV head) tile after
     pack-GQA, when known): a decode-shaped call with <= 128 rows gets one Q tile per CTA, as does
     every head_dim > 128 (TMEM: 2 * 128 + 2 * 192 > 512). Past head_dim 128, O's staging reuses Q's
-    smem, and at 256 the K/V tiles are 64 keys, to keep >= 3 K/V stages. Register budgets follow
+    smem and the K/V tiles are 64 keys, to keep >= 3 K/V stages (two K and two V tiles in flight
+    where K and V have rings of their own, as in fwd_sm100.py). Register budgets follow
     the roles' needs: the softmax threads hold a row of S (tile_n fp32) and its P; the correction
     threads one O column slice at a time; the single-thread warps (MMA, load, epilogue) next to
     nothing."""
     q_stage = 2 if head_dim <= 128 and (packed_rows is None or packed_rows > 128) else 1
-    tile_n = 64 if head_dim > 192 else 128
+    tile_n = 64 if head_dim > 128 else 128
     o_over_q = head_dim > 128
     if q_stage == 2:
+        # 16 warps, 128 registers each at launch: 2 x 192 + 80 + 48 = 4 x 128.
         softmax, correction = 192, 80
     else:
-        # One softmax warpgroup works (the other idles at the same budget: setmaxnreg is per
-        # warpgroup, and both run one code path); the correction warpgroup, which writes
-        # head_dim-wide O rows in the epilogue, gets the rest.
-        softmax, correction = 176, 104
-    other = SM100_REG_SLOTS - 2 * softmax - correction
+        # 12 warps, 168 at launch (3 x 168 = 504): the softmax threads hold a row of S and its P
+        # (192 values at tile_n 128; at 176 they spilled), the correction threads 32-column chunks
+        # of O, the MMA and load threads next to nothing.
+        softmax, correction = 240, 160
+    other = launch_regs(32 * sum(len(w) for w in WARP_ROLES_BY_Q_STAGE[q_stage].values())) * (q_stage + 2) \
+        - q_stage * softmax - correction
     # FMA-pipe exp2 pays where MUFU binds, head_dim <= 128 (T_exp >= T_mma, FA4_NOTES.md); the
     # starting fractions, to be tuned on hardware (tools/validate_sm100.py), sit in FA4's 10-25%.
     fraction = {64: 0.25, 96: 0.1875, 128: 0.125}.get(head_dim, 0.0)
