@@ -197,9 +197,9 @@ def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdC
         softmax, correction = 192, 80
     else:
         # 12 warps, 168 at launch (3 x 168 = 504): the softmax threads hold a row of S and its P
-        # (192 values at tile_n 128; at 176 they spilled), the correction threads 32-column chunks
-        # of O, the MMA and load threads next to nothing.
-        softmax, correction = 240, 160
+        # (192 values at tile_n 128: they spilled at 176, and with softcap at 240), the correction
+        # threads 32-column chunks of O, the MMA and load threads next to nothing.
+        softmax, correction = 248, 152
     other = launch_regs(32 * sum(len(w) for w in WARP_ROLES_BY_Q_STAGE[q_stage].values())) * (q_stage + 2) \
         - q_stage * softmax - correction
     # FMA-pipe exp2 pays where MUFU binds, head_dim <= 128 (T_exp >= T_mma, FA4_NOTES.md); the

@@ -27,9 +27,10 @@ The MMA warp issues P_(j-1) V_(j-1) before S_(j+1) = Q K_(j+1)^T into the same T
 tensor core runs one thread's MMAs in order: so P in the upper half of S is read before it is
 overwritten, without a barrier.
 
-Not yet (the next steps, measured on hardware first): two Q tiles per CTA in ping-pong, the
-FMA-pipe exp2 (config_sm100.EXP2_POLY), persistent longest-first scheduling, TMA store of O,
-windows and softcap, and the KV-cache / varlen seams.
+Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
+conventions (block_info.py, softmax.py). Not yet (the next steps, measured on hardware first): two Q
+tiles per CTA in ping-pong, the FMA-pipe exp2 (config_sm100.EXP2_POLY), persistent longest-first
+scheduling, TMA store of O, and the KV-cache / varlen seams.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from cutlass.memory import TmemAllocator
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig
 from fa4_jax.kernels.seqlen import SeqlenInfo
+from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.utils import permute_modes
 
 _LOG2E = 1.4426950408889634
@@ -75,9 +77,8 @@ class FlashAttentionForwardSm100:
     def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool):
         if cfg.q_stage != 1:
             raise NotImplementedError("the first SM100 kernel runs one Q tile per CTA (q_stage 1)")
-        if mask not in ("full", "causal") or softcap:
-            raise NotImplementedError(f"the first SM100 kernel has full and causal masks without softcap; got "
-                                      f"{mask=} {softcap=}")
+        if mask not in ("full", "causal", "local"):
+            raise ValueError(f"unknown mask kind {mask=}")
         self.cfg = cfg
         self.mask = mask
         self.softcap = softcap
@@ -146,8 +147,8 @@ class FlashAttentionForwardSm100:
         num_m_blocks = cute.ceil_div(mQ.shape[0], cfg.tile_m)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
-            softmax_scale_log2, mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2], sQ_layout, sK_layout,
-            sV_layout, tP_layout,
+            softmax_scale_log2, softcap_prescale, window_left, window_right, mQ.shape[0], mK.shape[0],
+            mQ.shape[2] // mK.shape[2], sQ_layout, sK_layout, sV_layout, tP_layout,
         ).launch(grid=[num_m_blocks, mQ.shape[2], mQ.shape[3]], block=[cfg.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -169,6 +170,9 @@ class FlashAttentionForwardSm100:
         mLSE: cute.Tensor,  # (s_q, h_q, b)
         mSinks: cute.Tensor,
         softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
         qhead_per_kv: Int32,
@@ -241,7 +245,7 @@ class FlashAttentionForwardSm100:
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
                                                                         num_threads=_TMEM_THREADS))
         seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
-        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen)
+        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
         n_block_min, n_block_max = blocks.n_block_min_max(m_block)
         n_blocks = cutlass.max(n_block_max - n_block_min, 0)
 
@@ -250,6 +254,7 @@ class FlashAttentionForwardSm100:
         s_acc = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
         o_acc = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
         tmap = cfg.tmem_map
+        sScale = storage.row_scale.get_tensor(cute.make_layout((128, 2)))  # (row, slot) softmax -> correction
 
         if warp_idx == LOAD_WARP:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
@@ -275,29 +280,29 @@ class FlashAttentionForwardSm100:
                      pipe_s, pipe_p, pipe_o, n_blocks)
             # Every role is done with Tensor Memory before it is freed.
             _tcgen05_fence_before()
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=32 * (8 + 1))
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
             _tcgen05_fence_after()
             tmem.free(base)
-        elif warp_idx < 4:
+        elif warp_idx <= _ROLES["softmax0"][-1]:
             cute.arch.setmaxregister_increase(cfg.softmax_regs)
             _tcgen05_fence_before()
             tmem.wait_for_alloc()
             _tcgen05_fence_after()
             base = tmem.retrieve_ptr(Float32)
-            self.softmax(base, s_acc, pipe_s, pipe_p, pipe_scale, storage.row_scale.get_tensor(cute.make_layout((128, 2))), mLSE,
-                         mSinks, softmax_scale_log2, blocks, m_block, head, batch, n_block_min, n_blocks, tidx)
+            self.softmax(base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
+                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx)
             _tcgen05_fence_before()
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=32 * (8 + 1))
-        elif warp_idx < 8:
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+        elif warp_idx <= _ROLES["correction"][-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
             _tcgen05_fence_before()
             tmem.wait_for_alloc()
             _tcgen05_fence_after()
             base = tmem.retrieve_ptr(Float32)
-            self.correction(base, o_acc, pipe_o, pipe_scale, storage.row_scale.get_tensor(cute.make_layout((128, 2))), mO,
-                            m_block, head, batch, seqlen_q, n_blocks, tidx - 128)
+            self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q, n_blocks,
+                            tidx - 32 * _ROLES["correction"][0])
             _tcgen05_fence_before()
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=32 * (8 + 1))
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         else:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
 
@@ -393,8 +398,8 @@ class FlashAttentionForwardSm100:
             tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
 
     @cute.jit
-    def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2, blocks,
-                m_block, head, batch, n_block_min, n_blocks, tidx):
+    def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
+                softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx):
         """Thread tidx owns row tidx: its scores come from TMEM lane tidx."""
         cfg = self.cfg
         tmap = cfg.tmem_map
@@ -417,6 +422,9 @@ class FlashAttentionForwardSm100:
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         row = m_block * cfg.tile_m + tidx
+        n_block_max = n_block_min + n_blocks
+        n_block_right = blocks.n_block_right(m_block) if const_expr(blocks.has_right_edge) else n_block_max
+        n_block_left = blocks.n_block_left(m_block) if const_expr(blocks.has_left_edge) else n_block_min
         for j in cutlass.range(n_blocks, unroll=1):
             n_block = n_block_min + n_blocks - 1 - j
             stage = j % 2
@@ -426,13 +434,32 @@ class FlashAttentionForwardSm100:
             rS = cute.make_rmem_tensor(tScS.shape, Float32)
             cute.copy(t2r, tSrc, rS)
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
-            # Mask keys past seqlen_k and, causal, past the row's diagonal (bottom-right aligned).
-            hi = blocks.seqlen.seqlen_k - n_block * cfg.tile_n
-            if const_expr(self.mask == "causal"):
-                hi = cutlass.min(hi, row + blocks.diag_offset() + 1 - n_block * cfg.tile_n)
-            for i in cutlass.range_constexpr(cute.size(rS)):
-                if tScS[i][1] >= hi:
-                    rS[i] = -Float32.inf
+            if const_expr(self.softcap):
+                OnlineSoftmax.softcap(rS, softcap_prescale)
+            # Masks, in the blocks that need them (block_info.py): the sequence's last block (keys
+            # past seqlen_k), and with a window the blocks its right (causal: the diagonal) or
+            # left edge crosses; bottom-right aligned, as everywhere in this library.
+            need_mask = n_block == n_block_max - 1
+            if const_expr(blocks.has_right_edge):
+                need_mask = need_mask or n_block >= n_block_right
+            if const_expr(blocks.has_left_edge):
+                need_mask = need_mask or n_block < n_block_left
+            if need_mask:
+                col0 = n_block * cfg.tile_n
+                hi = blocks.seqlen.seqlen_k - col0
+                lo = Int32(0)
+                if const_expr(blocks.has_right_edge):
+                    diag = row + blocks.diag_offset() - col0
+                    hi = cutlass.min(hi, diag + blocks.window_right + 1)
+                    if const_expr(blocks.has_left_edge):
+                        lo = diag - blocks.window_left
+                for i in cutlass.range_constexpr(cute.size(rS)):
+                    col = tScS[i][1]
+                    if const_expr(blocks.has_left_edge):
+                        if col >= hi or col < lo:
+                            rS[i] = -Float32.inf
+                    elif col >= hi:
+                        rS[i] = -Float32.inf
             block_max = rS[0]
             for i in cutlass.range_constexpr(1, cute.size(rS)):
                 block_max = cute.arch.fmax(block_max, rS[i])
