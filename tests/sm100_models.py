@@ -17,13 +17,16 @@ def fma32(a, b, c):
 
 def exp2_emulated(x: np.ndarray) -> np.ndarray:
     """2^x for float32 x <= 0 the way the kernel's FMA path computes it."""
-    x = np.maximum(np.asarray(x, np.float32), np.float32(EXP2_MIN_X))
+    x_in = np.asarray(x, np.float32)
+    # The kernel's max.f32 replaces NaN by EXP2_MIN_X too; the NaN is put back at the end.
+    x = np.fmax(np.where(np.isnan(x_in), np.float32(EXP2_MIN_X), x_in), np.float32(EXP2_MIN_X))
     n = np.floor(x).astype(np.float32)
     f = (x - n).astype(np.float32)  # exact
     p0, p1, p2, p3 = (np.float32(c) for c in EXP2_POLY)
     p = fma32(fma32(fma32(p3, f, p2), f, p1), f, p0)
     bits = p.view(np.int32) + (n.astype(np.int32) << 23)
-    return bits.view(np.float32)
+    out = np.where(x_in < np.float32(EXP2_MIN_X), np.float32(0.0), bits.view(np.float32))
+    return np.where(np.isnan(x_in), x_in, out)  # NaN stays NaN, as through MUFU
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:

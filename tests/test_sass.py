@@ -52,18 +52,6 @@ def sm100_obj(tmp_path_factory) -> Path:
     return out / "probe_sm100.o"
 
 
-@pytest.fixture(scope="module")
-def sm90_obj(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sm90")
-    code = ("import json, sys; from fa4_jax.aot.worker import compile_one; "
-            f"print(json.dumps(compile_one({HOPPER_SYMBOL!r}, sys.argv[1])))")
-    proc = _run(["-c", code, str(out)], None, f"compile_one({HOPPER_SYMBOL!r})")  # ~4 s
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "error" in result:
-        pytest.fail(f"compile_one({HOPPER_SYMBOL!r}):\n{result['error']}", pytrace=False)
-    return out / f"{HOPPER_SYMBOL}.o"
-
-
 def _compile_one(tmp_path_factory, symbol: str) -> Path:
     out = tmp_path_factory.mktemp(symbol)
     code = ("import json, sys; from fa4_jax.aot.worker import compile_one; "
@@ -73,6 +61,11 @@ def _compile_one(tmp_path_factory, symbol: str) -> Path:
     if "error" in result:
         pytest.fail(f"compile_one({symbol!r}):\n{result['error']}", pytrace=False)
     return out / f"{symbol}.o"
+
+
+@pytest.fixture(scope="module")
+def sm90_obj(tmp_path_factory) -> Path:
+    return _compile_one(tmp_path_factory, HOPPER_SYMBOL)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ Software exp2 (FlashAttention-4's trick, docs FA4_NOTES.md): the softmax's 2^x, 
 already subtracted), is computed for a fraction of the elements on the FMA pipe beside the MUFU
 unit, whose 16 ops / clock / SM bind at head_dim <= 128 on Blackwell:
 
-    x  = max(x, EXP2_MIN_X)                    # keep 2^x normal (no denormal exponent field)
+    x < EXP2_MIN_X: 0                          # as MUFU's ex2.approx.ftz (denormals flush to 0)
     n  = floor(x)                              # the kernel: (x + 1.5 * 2^23) - 1.5 * 2^23, round-down
     f  = x - n                                 # exact, in [0, 1)
     p  = fma(fma(fma(P3, f, P2), f, P1), f, 1) # 2^f by a degree-3 polynomial: three FMAs
@@ -30,9 +30,10 @@ from __future__ import annotations
 EXP2_POLY = (1.0, 0.6951087113238156, 0.2277113740293337, 0.0769928306878863)
 EXP2_POLY_BLEND = 0.1  # the least-squares fit's share
 EXP2_POLY_MAX_REL_ERR = 9.36e-5
-# Inputs are clamped here so that the exponent-field add always gives a normal float32: below it the
-# result is 2^-126 (the smallest normal) where the exact value is a denormal, an absolute error under
-# 1.2e-38 against a row sum >= 1 (MUFU's ex2.approx.ftz flushes those to 0, equally negligible).
+# Below this the result is 0, as MUFU's ex2.approx.ftz gives (its denormal results flush to zero),
+# where the exact value is a float32 denormal: an absolute error under 1.2e-38 against a row sum
+# >= 1. Exactly 0 matters: a row whose keys are all masked (scores -inf) must keep a zero sum, which
+# the epilogue reads as "no key" (O = 0, lse = -inf); the exponent-field add alone would give 2^-126.
 EXP2_MIN_X = -126.0
 # Rescale O / the row sum only when the row max grows by more than this (log2 units): 2^8 headroom.
 RESCALE_THRESHOLD_LOG2 = 8.0

@@ -6,7 +6,8 @@ The FlashAttention-4 structure (FA4_NOTES.md), with one 128-row Q tile per CTA (
   (the warps of config_sm100.WARP_ROLES_BY_Q_STAGE[1])
   warps 0-3   softmax warpgroup: thread t owns row t of the tile (TMEM lane t). Per key block it
               loads its row of S from Tensor Memory, masks, updates the running max (kept stale
-              unless it grows by more than RESCALE_THRESHOLD_LOG2, config_sm100), exponentiates,
+              unless it grows by more than RESCALE_THRESHOLD_LOG2, config_sm100), exponentiates
+              (a share config_sm100.exp2_fma_fraction of each row on the FMA pipe, exp2_fma.py),
               writes P (bf16/fp16) back over the upper half of the same S buffer, and hands the
               row's O scale to the correction warpgroup.
   warps 4-7   correction warpgroup: thread t rescales row t of O in Tensor Memory between two
@@ -29,13 +30,14 @@ overwritten, without a barrier.
 
 Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
 conventions (block_info.py, softmax.py). Not yet (the next steps, measured on hardware first): two Q
-tiles per CTA in ping-pong, the FMA-pipe exp2 (config_sm100.EXP2_POLY), persistent longest-first
+tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent longest-first
 scheduling, TMA store of O, and the KV-cache / varlen seams.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -49,6 +51,7 @@ from cutlass.memory import TmemAllocator
 
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig
+from fa4_jax.kernels.exp2_fma import exp2_fma
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.utils import permute_modes
@@ -71,6 +74,14 @@ def _tcgen05_fence_before():
 
 def _tcgen05_fence_after():
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+
+def _tmem_base(tmem: TmemAllocator):
+    """The allocation's base address, once the MMA warp's tcgen05.alloc has published it."""
+    _tcgen05_fence_before()
+    tmem.wait_for_alloc()
+    _tcgen05_fence_after()
+    return tmem.retrieve_ptr(Float32)
 
 
 class FlashAttentionForwardSm100:
@@ -215,28 +226,20 @@ class FlashAttentionForwardSm100:
         load_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         wg_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
-        pipe_q = pipeline.PipelineTmaUmma.create(num_stages=1, producer_group=load_thread, consumer_group=mma_thread,
-                                                 tx_count=self.q_bytes, barrier_storage=storage.mbar_q.data_ptr(),
-                                                 cta_layout_vmnk=cta, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaUmma.create(num_stages=self.stages, producer_group=load_thread,
-                                                 consumer_group=mma_thread, tx_count=self.kv_bytes,
-                                                 barrier_storage=storage.mbar_k.data_ptr(), cta_layout_vmnk=cta,
-                                                 defer_sync=True)
-        pipe_v = pipeline.PipelineTmaUmma.create(num_stages=self.stages, producer_group=load_thread,
-                                                 consumer_group=mma_thread, tx_count=self.kv_bytes,
-                                                 barrier_storage=storage.mbar_v.data_ptr(), cta_layout_vmnk=cta,
-                                                 defer_sync=True)
-        pipe_s = pipeline.PipelineUmmaAsync.create(num_stages=2, producer_group=mma_thread, consumer_group=wg_threads,
-                                                   barrier_storage=storage.mbar_s.data_ptr(), cta_layout_vmnk=cta,
-                                                   defer_sync=True)
-        pipe_p = pipeline.PipelineAsyncUmma.create(num_stages=2, producer_group=wg_threads, consumer_group=mma_thread,
-                                                   barrier_storage=storage.mbar_p.data_ptr(), cta_layout_vmnk=cta,
-                                                   defer_sync=True)
-        pipe_o = pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=mma_thread, consumer_group=wg_threads,
-                                                   barrier_storage=storage.mbar_o.data_ptr(), cta_layout_vmnk=cta,
-                                                   defer_sync=True)
-        pipe_scale = pipeline.PipelineAsync.create(num_stages=2, producer_group=wg_threads, consumer_group=wg_threads,
-                                                   barrier_storage=storage.mbar_scale.data_ptr(), defer_sync=True)
+        # Every barrier is initialised here and made visible by the one sync below (defer_sync).
+        def make(kind, stages, producer, consumer, mbar, **kw):
+            return kind.create(num_stages=stages, producer_group=producer, consumer_group=consumer,
+                               barrier_storage=mbar.data_ptr(), defer_sync=True, **kw)
+
+        tma_umma = partial(make, pipeline.PipelineTmaUmma, producer=load_thread, consumer=mma_thread,
+                           cta_layout_vmnk=cta)
+        pipe_q = tma_umma(1, mbar=storage.mbar_q, tx_count=self.q_bytes)
+        pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
+        pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
+        pipe_s = make(pipeline.PipelineUmmaAsync, 2, mma_thread, wg_threads, storage.mbar_s, cta_layout_vmnk=cta)
+        pipe_p = make(pipeline.PipelineAsyncUmma, 2, wg_threads, mma_thread, storage.mbar_p, cta_layout_vmnk=cta)
+        pipe_o = make(pipeline.PipelineUmmaAsync, 1, mma_thread, wg_threads, storage.mbar_o, cta_layout_vmnk=cta)
+        pipe_scale = make(pipeline.PipelineAsync, 2, wg_threads, wg_threads, storage.mbar_scale)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -263,10 +266,7 @@ class FlashAttentionForwardSm100:
         elif warp_idx == MMA_WARP:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             tmem.allocate(cfg.tmem_alloc_columns)
-            _tcgen05_fence_before()
-            tmem.wait_for_alloc()
-            _tcgen05_fence_after()
-            base = tmem.retrieve_ptr(Float32)
+            base = _tmem_base(tmem)
             tmem.relinquish_alloc_permit()
             tS0 = cute.make_tensor(base + tmap["S0"][0], s_acc.layout)
             tO = cute.make_tensor(base + tmap["O0"][0], o_acc.layout)
@@ -285,21 +285,13 @@ class FlashAttentionForwardSm100:
             tmem.free(base)
         elif warp_idx <= _ROLES["softmax0"][-1]:
             cute.arch.setmaxregister_increase(cfg.softmax_regs)
-            _tcgen05_fence_before()
-            tmem.wait_for_alloc()
-            _tcgen05_fence_after()
-            base = tmem.retrieve_ptr(Float32)
-            self.softmax(base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
+            self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
                          softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         elif warp_idx <= _ROLES["correction"][-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
-            _tcgen05_fence_before()
-            tmem.wait_for_alloc()
-            _tcgen05_fence_after()
-            base = tmem.retrieve_ptr(Float32)
-            self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q, n_blocks,
+            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q, n_blocks,
                             tidx - 32 * _ROLES["correction"][0])
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
@@ -422,6 +414,7 @@ class FlashAttentionForwardSm100:
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         row = m_block * cfg.tile_m + tidx
+        fma_per_16 = round(cfg.exp2_fma_fraction * 16)  # config_sm100: e.g. 2 of 16 at hd128
         n_block_max = n_block_min + n_blocks
         n_block_right = blocks.n_block_right(m_block) if const_expr(blocks.has_right_edge) else n_block_max
         n_block_left = blocks.n_block_left(m_block) if const_expr(blocks.has_left_edge) else n_block_min
@@ -476,7 +469,9 @@ class FlashAttentionForwardSm100:
             rP = cute.make_rmem_tensor(tScS.shape, dtype_p)
             block_sum = Float32(0.0)
             for i in cutlass.range_constexpr(cute.size(rS)):
-                p = cute.math.exp2(rS[i] * softmax_scale_log2 - max_scaled, fastmath=True)
+                x = rS[i] * softmax_scale_log2 - max_scaled
+                # A fixed share of each row's exponentials on the FMA pipe, the rest on MUFU.
+                p = exp2_fma(x) if const_expr(i % 16 < fma_per_16) else cute.math.exp2(x, fastmath=True)
                 block_sum += p
                 rP[i] = p.to(dtype_p)
             row_sum = row_sum * scale + block_sum
