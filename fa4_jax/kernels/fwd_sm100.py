@@ -159,8 +159,8 @@ class FlashAttentionForwardSm100:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
             softmax_scale_log2, softcap_prescale, window_left, window_right, mQ.shape[0], mK.shape[0],
-            mQ.shape[2] // mK.shape[2], sQ_layout, sK_layout, sV_layout, tP_layout,
-        ).launch(grid=[num_m_blocks, mQ.shape[2], mQ.shape[3]], block=[cfg.num_threads, 1, 1], stream=stream,
+            mQ.shape[2] // mK.shape[2], num_m_blocks, sQ_layout, sK_layout, sV_layout, tP_layout,
+        ).launch(grid=[num_m_blocks * mQ.shape[2] * mQ.shape[3], 1, 1], block=[cfg.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -187,6 +187,7 @@ class FlashAttentionForwardSm100:
         seqlen_q: Int32,
         seqlen_k: Int32,
         qhead_per_kv: Int32,
+        num_m_blocks: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -195,7 +196,12 @@ class FlashAttentionForwardSm100:
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx = cute.arch.thread_idx()[0]
-        m_block, head, batch = cute.arch.block_idx()
+        # A one-dimensional grid, m-blocks fastest: gridDim.y and .z stop at 65535, which heads x batch
+        # (vmap folds its axis into the batch) easily pass (as in tile_scheduler.py).
+        tile = cute.arch.block_idx()[0]
+        m_block = tile % num_m_blocks
+        head = (tile // num_m_blocks) % mO.shape[2]
+        batch = tile // (num_m_blocks * mO.shape[2])
         head_kv = head // qhead_per_kv
 
         @cute.struct
@@ -291,8 +297,8 @@ class FlashAttentionForwardSm100:
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         elif warp_idx <= _ROLES["correction"][-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
-            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q, n_blocks,
-                            tidx - 32 * _ROLES["correction"][0])
+            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q,
+                            n_blocks, tidx - 32 * _ROLES["correction"][0])
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         else:
