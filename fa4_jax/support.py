@@ -26,7 +26,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, HEAD_DIMS, KernelFamily, default_menu
+from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, HEAD_DIMS, VALIDATED_ARCHES, KernelFamily, default_menu
 from fa4_jax.families.base import PublicEntry
 from fa4_jax.ops.kvcache.spec import PAGE_SIZES
 
@@ -152,7 +152,8 @@ def support_matrix() -> list[dict]:
             for device in DEVICES:
                 variant = ep.variant(device.key, dtype, head_dim, call["mask"], call["softcap"], call["seqlens"],
                                      page_size) if device.key in ARCH_CC else None
-                variant = variant if variant in menu else None
+                # implementation=None: a kernel not yet validated on hardware is opt-in (platform.py).
+                variant = variant if variant in menu and variant.arch in VALIDATED_ARCHES else None
                 runs = KERNEL if variant is not None else _fallback(
                     ep, device, dtype, head_dim, call["mask"], call["seqlens"], call["softcap"], call["sinks"])
                 cells.append(dict(entry_point=ep.name, device=device.key, dtype=dtype, head_dim=head_dim,

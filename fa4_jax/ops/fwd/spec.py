@@ -61,10 +61,16 @@ class FwdVariant(Variant):
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap=len(parts) == 5)
 
 
+# The architectures this family has kernels for: Hopper, and Blackwell opt-in (not yet validated on
+# hardware: families.base.VALIDATED_ARCHES).
+ARCHES = ("sm90", "sm100")
+
+
 def default_menu() -> tuple[FwdVariant, ...]:
-    """Every forward variant `pip install` builds by default (Hopper kernels only for now)."""
+    """Every forward variant `pip install` builds by default."""
     return tuple(
-        FwdVariant("sm90", dtype, hd, mask, softcap)
+        FwdVariant(arch, dtype, hd, mask, softcap)
+        for arch in ARCHES
         for dtype in DTYPES
         for hd in HEAD_DIMS
         for mask in MASKS
