@@ -140,10 +140,12 @@ def _call(cell):
 
 
 def _kernel_sample():
-    """Every entry point x head_dim x dtype on each shipped architecture, the features and page sizes
-    cycling through their values."""
+    """Every entry point x head_dim x dtype on each shipped architecture whose kernels are validated
+    (an export without a GPU models those; opt-in arches: test_opt_in_cells), the features and page
+    sizes cycling through their values."""
     picked = []
-    for arch, entry in itertools.product(support.shipped_arches(), support.ENTRY_POINTS):
+    validated = [a for a in support.shipped_arches() if a in families.VALIDATED_ARCHES]
+    for arch, entry in itertools.product(validated, support.ENTRY_POINTS):
         features = itertools.cycle(itertools.product(*(v for _, v in entry.features)))
         pages = itertools.cycle(support.PAGE_SIZES)
         for hd, dtype in itertools.product(families.HEAD_DIMS, families.DTYPES):
@@ -174,6 +176,22 @@ def test_sampled_cells_agree_with_the_kernel_lowering(cell, default_menu_library
     fn, args = _call(cell)
     calls = _our_calls(fn, args, "cuda")
     assert bool(calls) == (cell["runs"] == support.KERNEL), (cell, calls)
+
+
+def test_opt_in_cells():
+    """On an architecture the default build has kernels for that no hardware run has validated (SM100),
+    implementation=None never runs a kernel, and a cell says opt-in exactly where the menu has its
+    variant (implementation="fa4" would run it)."""
+    menu = {v.symbol for v in families.default_menu()}
+    unvalidated = [a for a in support.shipped_arches() if a not in families.VALIDATED_ARCHES]
+    assert unvalidated == ["sm100"]
+    cells = [c for c in support.support_matrix() if c["device"] in unvalidated]
+    assert cells and all(c["runs"] != support.KERNEL and c["variant"] is None for c in cells)
+    for c in cells:
+        entry = support._entry(c["entry_point"])
+        v = entry.variant(c["device"], c["dtype"], c["head_dim"], c["mask"], c["softcap"], c["seqlens"], c["page_size"])
+        assert c["opt_in"] == (v.symbol in menu), c
+    assert {c["entry_point"] for c in cells if c["opt_in"]} == {"attention"}
 
 
 def test_cpu_cells_are_the_reference(default_menu_library):

@@ -167,8 +167,14 @@ class CallSignature:
 
     @property
     def all_attrs(self) -> tuple[Attr, ...]:
-        return (*self.attrs, *self.presence_attrs)
+        return (*self.attrs, *self.presence_attrs, OPT_IN_ATTR)
 
+
+# Every family's call ends with this generated attribute (after the presence ones): whether the call
+# may run kernels of an architecture outside VALIDATED_ARCHES. The lowering sets it for
+# implementation="fa4" only, so a program exported with implementation=None refuses, on a GPU whose
+# kernels no hardware run has validated, with an FFI error that says how to opt in.
+OPT_IN_ATTR = Attr("unvalidated_ok", "bool", 'implementation="fa4": kernels outside VALIDATED_ARCHES may run')
 
 # Limits the Python validation and every handler share (fa4_jax/core/validation.py says why these values);
 # generated into fa4_shared.inc for ffi/handler_util.h.

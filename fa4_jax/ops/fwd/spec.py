@@ -148,7 +148,8 @@ CALL = CallSignature(
 FWD = KernelFamily(
     name="fwd",
     # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
-    target="fa4_jax_fwd_v2",
+    # v3: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
+    target="fa4_jax_fwd_v3",
     variant=FwdVariant,
     params=_PARAMS,
     tensors=(

@@ -69,7 +69,8 @@ CALL = CallSignature(
 
 VARLEN = KernelFamily(
     name="varlen",
-    target="fa4_jax_varlen_v1",
+    # v2: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
+    target="fa4_jax_varlen_v2",
     variant=VarlenVariant,
     params=_PARAMS,
     tensors=(
