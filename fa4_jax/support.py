@@ -26,7 +26,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, HEAD_DIMS, KernelFamily, default_menu
+from fa4_jax.families import ARCH_CC, DTYPES, FAMILIES, HEAD_DIMS, VALIDATED_ARCHES, KernelFamily, default_menu
 from fa4_jax.families.base import PublicEntry
 from fa4_jax.ops.kvcache.spec import PAGE_SIZES
 
@@ -140,7 +140,8 @@ def support_matrix() -> list[dict]:
     Keys: entry_point, device (a DEVICES key: "sm80", "sm90", "sm100", "cpu"), dtype ("bf16"/"fp16"),
     head_dim, page_size (None unless paged), mask (a WINDOWS key), seqlens (a title of the entry
     point's `seqlens`), softcap, sinks, return_lse (bools), runs ("kernel", "cuDNN" or "reference")
-    and variant (the kernel's symbol, or None). Only inputs the API accepts are listed (bf16/fp16,
+    variant (the kernel's symbol, or None) and opt_in (a kernel exists but is not validated on hardware:
+    implementation="fa4" runs it). Only inputs the API accepts are listed (bf16/fp16,
     its head dims and page sizes)."""
     menu = set(default_menu())
     cells = []
@@ -152,11 +153,14 @@ def support_matrix() -> list[dict]:
             for device in DEVICES:
                 variant = ep.variant(device.key, dtype, head_dim, call["mask"], call["softcap"], call["seqlens"],
                                      page_size) if device.key in ARCH_CC else None
-                variant = variant if variant in menu else None
+                # implementation=None: a kernel not yet validated on hardware is opt-in (platform.py):
+                # implementation="fa4" runs it, None the next choice.
+                opt_in = variant in menu and variant.arch not in VALIDATED_ARCHES
+                variant = variant if variant in menu and not opt_in else None
                 runs = KERNEL if variant is not None else _fallback(
                     ep, device, dtype, head_dim, call["mask"], call["seqlens"], call["softcap"], call["sinks"])
                 cells.append(dict(entry_point=ep.name, device=device.key, dtype=dtype, head_dim=head_dim,
-                                  page_size=page_size, **call, runs=runs,
+                                  page_size=page_size, **call, runs=runs, opt_in=opt_in,
                                   variant=None if variant is None else variant.symbol))
     return cells
 
@@ -173,14 +177,15 @@ class Row:
 
     entry_point: str
     axes: tuple[tuple[str, frozenset], ...]  # _ROW_AXES -> the values covered
-    outcome: tuple[tuple[str, tuple], ...]  # device key -> sorted ((features, runs), ...)
+    outcome: tuple[tuple[str, tuple], ...]  # device key -> sorted ((features, runs, opt_in), ...)
 
     def covers(self, cell: dict) -> bool:
         return cell["entry_point"] == self.entry_point and all(cell[a] in vals for a, vals in self.axes)
 
     def predicts(self, cell: dict) -> str:
         entry = _entry(self.entry_point)
-        return dict(dict(self.outcome)[cell["device"]])[tuple(cell[a] for a, _ in entry.features)]
+        runs = {f: r for f, r, _ in dict(self.outcome)[cell["device"]]}
+        return runs[tuple(cell[a] for a, _ in entry.features)]
 
 
 def _entry(name: str) -> EntryPoint:
@@ -198,7 +203,8 @@ def support_rows(cells: list[dict] | None = None) -> list[Row]:
         for c in cells:
             if c["entry_point"] == ep.name:
                 per_device = outcomes.setdefault(tuple(c[a] for a in _ROW_AXES), {})
-                per_device.setdefault(c["device"], []).append((tuple(c[a] for a, _ in ep.features), c["runs"]))
+                per_device.setdefault(c["device"], []).append(
+                    (tuple(c[a] for a, _ in ep.features), c["runs"], c["opt_in"]))
         boxes = {tuple(frozenset([v]) for v in key): tuple((d, tuple(sorted(o))) for d, o in sorted(per.items()))
                  for key, per in outcomes.items()}
         changed = True
@@ -226,7 +232,10 @@ def cudnn_features(entry: EntryPoint, cells: list[dict]) -> frozenset:
 
 
 def _cell_text(entry: EntryPoint, device: Device, outcome: tuple, cudnn_set: frozenset) -> str:
-    runs = dict(outcome)
+    runs = {f: r for f, r, _ in outcome}
+    opt_in = {o for *_, o in outcome}
+    if len(opt_in) > 1:
+        raise ValueError(f"{entry.name} on {device.key}: opt-in kernels for some feature combinations only: {outcome}")
     values = set(runs.values())
     if values == {KERNEL}:
         return KERNEL
@@ -236,6 +245,8 @@ def _cell_text(entry: EntryPoint, device: Device, outcome: tuple, cudnn_set: fro
         text = "cuDNN\\*, else reference"
     else:
         raise ValueError(f"{entry.name} on {device.key}: a mix of {sorted(values)} the table cannot state: {outcome}")
+    if opt_in == {True}:
+        return f"**opt-in kernel**: {text}"
     return f"**no kernel**: {text}" if device.key in shipped_arches() else text
 
 
@@ -277,7 +288,10 @@ NOTES = (
     "and a GPU known while lowering: a program exported without one (e.g. from a CPU host) keeps the "
     "kernel-or-reference choice. `FA4_JAX_DISABLE_CUDNN=1` turns cuDNN off; `implementation=\"cudnn\"` "
     "demands it, `\"fa4\"` the kernel (each raises where it cannot run), `\"xla\"` runs the reference. "
-    "Zero-size calls (no batch, query or key) run the reference."
+    "Zero-size calls (no batch, query or key) run the reference. **opt-in kernel**: the build has a "
+    "kernel that no run on hardware has validated yet (SM100, compiled GPU-blind): `implementation=\"fa4\"` "
+    "runs it (with a one-time warning), `None` the choice the cell names, and a program exported with "
+    "`None` refuses to run it."
 )
 
 

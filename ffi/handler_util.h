@@ -134,6 +134,17 @@ inline ffi::Error NoVariant(const char *target, const std::string &key, int devi
                                                         built);
 }
 
+// The error for a call that did not opt in (attribute unvalidated_ok, set by implementation="fa4")
+// on a device whose kernels no hardware run has validated yet (families.VALIDATED_ARCHES): typically
+// a program exported with implementation=None and served on such a GPU.
+inline ffi::Error NotValidated(const char *target, const char *symbol, int device) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string(target) + ": " + symbol + " would run on device " + std::to_string(device) +
+                        ", whose fa4_jax kernels have not been validated on hardware yet; this call did not opt in. "
+                        "Lower or export the program with implementation=\"fa4\" to run them (compare with "
+                        "implementation=\"xla\" first), or with implementation=\"xla\" or \"cudnn\"");
+}
+
 // The common tail of both stages (the generated Stage of each family calls it after the checks).
 // Initialize (run by XLA before any CUDA-graph capture) loads the variant on the device. Execute
 // loads it if needed (refused under capture) and launches.

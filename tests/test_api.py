@@ -533,7 +533,7 @@ def test_non_hopper_gpu(monkeypatch):
     monkeypatch.setattr(_platform, "default_device", lambda: FakeDevice("8.0", "NVIDIA A100"))
     q, k, v = make_qkv(11)
     assert falls_back(variant_fn(), FakeDevice("8.0", "NVIDIA A100"))
-    message = r"the default GPU \(NVIDIA A100\) has compute capability 8\.0; the fa4_jax kernels are built for 9\.0 \(Hopper\) only"
+    message = r"the default GPU \(NVIDIA A100\) has compute capability 8\.0; the fa4_jax kernels are built for 9\.0 \(Hopper\), 10\.0 \(Blackwell\) only"
     with pytest.raises(RuntimeError, match=message):
         attention(q, k, v, implementation="fa4")
 

@@ -123,3 +123,22 @@ def test_generated_constants_match_the_family():
     from fa4_jax.core.validation import MAX_SOFTCAP, MAX_SOFTMAX_SCALE
 
     assert f"kMaxSoftmaxScale = {MAX_SOFTMAX_SCALE!r};" in shared and f"kMaxSoftcap = {MAX_SOFTCAP!r};" in shared
+
+
+def test_unvalidated_arches_need_the_calls_opt_in():
+    """families.VALIDATED_ARCHES reaches the handlers as IsValidatedArch, and every family's stage
+    refuses a variant of another arch unless the call's generated unvalidated_ok attribute is set (the
+    lowering sets it for implementation="fa4" only: tests/test_export.py, tests/test_primitive.py)."""
+    from fa4_jax.families import ARCH_CC, VALIDATED_ARCHES
+    from fa4_jax.families.base import OPT_IN_ATTR
+
+    shared = codegen.generate_shared_inc("test")
+    ccs = sorted(ARCH_CC[a] for a in VALIDATED_ARCHES)
+    assert ccs == [90]
+    assert "inline constexpr bool IsValidatedArch(int cc) { return cc == 90; }" in shared
+    for fam in FAMILIES:
+        assert fam.call.all_attrs[-1] == OPT_IN_ATTR, fam.name
+        inc = codegen.generate_family_inc(fam, list(fam.default_menu())[:1], "test")
+        assert "  if (!unvalidated_ok && !IsValidatedArch(r.variant->key.arch))\n" \
+               "    return NotValidated(kTarget, r.variant->symbol, r.device);" in inc, fam.name
+        assert '.template Attr<bool>("unvalidated_ok");' in inc, fam.name

@@ -51,6 +51,10 @@ def test_cuda_export_from_a_cpu_host_calls_the_kernels(tmp_path, library):
     # One kernel call per entry point (dense, KV cache, varlen), named by the versioned FFI targets.
     assert kernel_calls(exported) == sorted(ffi_targets()), exported.mlir_module()[:2000]
     assert "stablehlo.exponential" not in exported.mlir_module(), "no reference branch in a CUDA-only export"
+    # implementation=None does not opt in: served on a GPU whose kernels no hardware run has validated
+    # (SM100 today), the handler refuses with an FFI error instead of running them (ffi NotValidated).
+    opt_in = re.findall(r"unvalidated_ok = (true|false)", exported.mlir_module())
+    assert opt_in == ["false"] * 3, opt_in
 
 
 def test_multi_platform_export_runs_the_reference_here(tmp_path, library):
@@ -168,7 +172,7 @@ def test_varlen_symbolic_number_of_sequences_exports_and_runs(kernel_library):
              jax.ShapeDtypeStruct((t, h_k, d), jnp.bfloat16), jax.ShapeDtypeStruct((n + 1,), jnp.int32),
              jax.ShapeDtypeStruct((n + 1,), jnp.int32)]
     fn = lambda q, k, v, cq, ck: fa4_jax.attention_varlen(q, k, v, cq, ck, causal=True)  # noqa: E731
-    assert kernel_calls(_symbolic_export(fn, specs, ["cuda"])) == ["fa4_jax_varlen_v1"]
+    assert kernel_calls(_symbolic_export(fn, specs, ["cuda"])) == ["fa4_jax_varlen_v2"]
     both = _symbolic_export(fn, specs, ["cpu", "cuda"])
     rng = np.random.default_rng(2)
     q, k, v = _bf16(rng, t, h_q, d), _bf16(rng, t, h_k, d), _bf16(rng, t, h_k, d)
@@ -189,7 +193,7 @@ def test_varlen_symbolic_tokens_need_max_seqlen_q_for_the_kernel(kernel_library)
         return lambda q, k, v, cq, ck: fa4_jax.attention_varlen(q, k, v, cq, ck, causal=True, **kw)
 
     assert kernel_calls(_symbolic_export(fn(), specs, ["cuda"])) == []
-    assert kernel_calls(_symbolic_export(fn(max_seqlen_q=512), specs, ["cuda"])) == ["fa4_jax_varlen_v1"]
+    assert kernel_calls(_symbolic_export(fn(max_seqlen_q=512), specs, ["cuda"])) == ["fa4_jax_varlen_v2"]
     with pytest.raises(RuntimeError, match=r'"fa4" cannot run here: q has a symbolic number of tokens \(t\).*max_seqlen_q'):
         _symbolic_export(fn(implementation="fa4"), specs, ["cuda"])
 

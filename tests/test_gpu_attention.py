@@ -315,7 +315,7 @@ def _raw_ffi_call(q, k, v, sinks=None, *, lse_shape=None, softmax_scale=0.125, s
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape or (b, h_q, s_q), jnp.float32)),
     )
     return call(q, k, v, sinks, softmax_scale=np.float32(softmax_scale), softcap=np.float32(softcap),
-                window_left=np.int32(window[0]), window_right=np.int32(window[1]))
+                window_left=np.int32(window[0]), window_right=np.int32(window[1]), unvalidated_ok=np.bool_(False))
 
 
 def _assert_still_healthy(built_variants):

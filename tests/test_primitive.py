@@ -79,10 +79,11 @@ def f32(x):
     return np.asarray(x, np.float32)
 
 
-def test_target_is_the_v2_abi():
-    # v2 = the sinks operand and the window/softcap attributes. A GPU host with a v1 library must
+def test_target_is_the_v3_abi():
+    # v2 = the sinks operand and the window/softcap attributes, v3 = the opt-in attribute. A GPU host
+    # with an older library must
     # fail to find the target rather than call a handler with the wrong operands.
-    assert TARGET == "fa4_jax_fwd_v2", f"{TARGET=}"
+    assert TARGET == "fa4_jax_fwd_v3", f"{TARGET=}"
 
 
 @pytest.mark.parametrize("dtype,elt", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16")])
@@ -108,6 +109,8 @@ def test_cuda_lowering_emits_ffi_call(dtype, elt, window, softcap):
     assert f"window_left = {window[0]} : i32" in line
     assert f"window_right = {window[1]} : i32" in line
     assert "causal" not in line, "v1's causal attribute is gone (folded into the window)"
+    # implementation="fa4" opts in to kernels no hardware run has validated (families.VALIDATED_ARCHES).
+    assert "unvalidated_ok = true" in line
     assert (
         f"(tensor<2x128x8x128x{elt}>, tensor<2x384x2x128x{elt}>, tensor<2x384x2x128x{elt}>, tensor<8xf32>) -> "
         f"(tensor<2x128x8x128x{elt}>, tensor<2x8x128xf32>)"

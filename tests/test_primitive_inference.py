@@ -111,8 +111,8 @@ def test_targets_are_the_current_abis():
     # page table is a zero-size operand with has_page_table = false (v1: a dummy table and `paged`);
     # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q and tile_m attributes); v4: an
     # optional tile list (ragged calls with more than one query tile per sequence).
-    assert KV_TARGET == "fa4_jax_kvcache_v4", f"{KV_TARGET=}"
-    assert VL_TARGET == "fa4_jax_varlen_v1", f"{VL_TARGET=}"
+    assert KV_TARGET == "fa4_jax_kvcache_v5", f"{KV_TARGET=}"
+    assert VL_TARGET == "fa4_jax_varlen_v2", f"{VL_TARGET=}"
 
 
 @pytest.mark.parametrize("max_seqlen_q,listed", [(1, False), (16, False), (17, False), (32, False), (33, True), (300, True)])

@@ -74,7 +74,9 @@ def test_accepted_inputs_are_the_apis():
 
 
 def test_every_menu_variant_appears_and_only_where_it_was_built():
-    assert {c["variant"] for c in CELLS if c["runs"] == support.KERNEL} == {v.symbol for v in families.default_menu()}
+    # implementation=None runs the validated architectures' kernels; the others are opt-in (test_opt_in_cells).
+    validated = {v.symbol for v in families.default_menu() if v.arch in families.VALIDATED_ARCHES}
+    assert {c["variant"] for c in CELLS if c["runs"] == support.KERNEL} == validated
     assert all((c["runs"] == support.KERNEL) == (c["variant"] is not None) for c in CELLS)
     shipped = set(support.shipped_arches())
     assert all(c["device"] in shipped for c in CELLS if c["runs"] == support.KERNEL)
@@ -83,12 +85,16 @@ def test_every_menu_variant_appears_and_only_where_it_was_built():
 
 def test_every_head_dim_has_a_kernel_in_every_entry_point():
     """Hopper runs our kernel for every cell (every entry point, head dim, dtype, page size and
-    feature), so the table marks no cell "no kernel"."""
+    feature), so the table marks no Hopper cell "no kernel" (only SM100's, where a family has no
+    Blackwell kernel yet)."""
     sm90 = find(device="sm90")
     assert {c["head_dim"] for c in sm90} == {64, 96, 128, 192, 256}
     assert {c["entry_point"] for c in sm90 if c["head_dim"] in (96, 192)} == {c["entry_point"] for c in sm90}
     assert [c for c in sm90 if c["runs"] != support.KERNEL] == []
-    assert "**no kernel**" not in support.support_matrix_markdown()
+    columns = ["entry point", "head_dim", "dtype", "page size", *(d.title for d in support.DEVICES)]
+    flagged = {columns[i] for line in support.support_matrix_markdown().splitlines() if line.startswith("| `")
+               for i, text in enumerate(line.strip("|").split(" | ")) if "**no kernel**" in text}
+    assert flagged <= {d.title for d in support.DEVICES if d.key == "sm100"}, flagged
 
 
 def test_rows_say_exactly_what_the_cells_say():
@@ -105,7 +111,7 @@ def test_only_the_built_architectures_have_kernels():
             continue
         reason = _platform.device_unavailable_reason(gpu(device.capability, device.title))
         assert (reason is None) == (device.key in support.shipped_arches()), (device, reason)
-    assert support.shipped_arches() == tuple(sorted(_platform.shipped_arches()))
+    assert support.shipped_arches() == tuple(sorted(_platform.shipped_arches(), key=families.ARCH_CC.get))
 
 
 # ---- sampled cells against the library's decisions ---------------------------------------------------
@@ -140,10 +146,12 @@ def _call(cell):
 
 
 def _kernel_sample():
-    """Every entry point x head_dim x dtype on each shipped architecture, the features and page sizes
-    cycling through their values."""
+    """Every entry point x head_dim x dtype on each shipped architecture whose kernels are validated
+    (an export without a GPU models those; opt-in arches: test_opt_in_cells), the features and page
+    sizes cycling through their values."""
     picked = []
-    for arch, entry in itertools.product(support.shipped_arches(), support.ENTRY_POINTS):
+    validated = [a for a in support.shipped_arches() if a in families.VALIDATED_ARCHES]
+    for arch, entry in itertools.product(validated, support.ENTRY_POINTS):
         features = itertools.cycle(itertools.product(*(v for _, v in entry.features)))
         pages = itertools.cycle(support.PAGE_SIZES)
         for hd, dtype in itertools.product(families.HEAD_DIMS, families.DTYPES):
@@ -174,6 +182,22 @@ def test_sampled_cells_agree_with_the_kernel_lowering(cell, default_menu_library
     fn, args = _call(cell)
     calls = _our_calls(fn, args, "cuda")
     assert bool(calls) == (cell["runs"] == support.KERNEL), (cell, calls)
+
+
+def test_opt_in_cells():
+    """On an architecture the default build has kernels for that no hardware run has validated (SM100),
+    implementation=None never runs a kernel, and a cell says opt-in exactly where the menu has its
+    variant (implementation="fa4" would run it)."""
+    menu = {v.symbol for v in families.default_menu()}
+    unvalidated = [a for a in support.shipped_arches() if a not in families.VALIDATED_ARCHES]
+    assert unvalidated == ["sm100"]
+    cells = [c for c in support.support_matrix() if c["device"] in unvalidated]
+    assert cells and all(c["runs"] != support.KERNEL and c["variant"] is None for c in cells)
+    for c in cells:
+        entry = support._entry(c["entry_point"])
+        v = entry.variant(c["device"], c["dtype"], c["head_dim"], c["mask"], c["softcap"], c["seqlens"], c["page_size"])
+        assert c["opt_in"] == (v.symbol in menu), c
+    assert {c["entry_point"] for c in cells if c["opt_in"]} == {"attention"}
 
 
 def test_cpu_cells_are_the_reference(default_menu_library):

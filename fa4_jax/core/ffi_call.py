@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fa4_jax.families.base import ATTR_TYPES, Buffer, KernelFamily
+from fa4_jax.families.base import ATTR_TYPES, OPT_IN_ATTR, Buffer, KernelFamily
 
 _JNP_DTYPES = {"f32": jnp.float32, "i32": jnp.int32}
 
@@ -60,10 +60,13 @@ def pack_operands(family: KernelFamily, arrays: dict, sizes: dict) -> tuple[list
     return out, presence
 
 
-def kernel_call(family: KernelFamily, arrays: dict, attrs: dict, dims: dict | None = None) -> tuple:
+def kernel_call(family: KernelFamily, arrays: dict, attrs: dict, dims: dict | None = None, *,
+                opt_in: bool = False) -> tuple:
     """The family's FFI custom call on `arrays` (operand name -> array, None = absent) with `attrs`
     (every declared attribute, by name; the presence ones are derived) and `dims` (sizes of result
-    dims no operand binds, e.g. the workspace's "splits"). Returns the non-workspace results."""
+    dims no operand binds, e.g. the workspace's "splits"). `opt_in` (implementation="fa4") becomes the
+    generated OPT_IN_ATTR: the handler then also runs kernels outside VALIDATED_ARCHES. Returns the
+    non-workspace results."""
     call = family.call
     missing = {a.name for a in call.attrs} ^ set(attrs)
     if missing:
@@ -75,7 +78,8 @@ def kernel_call(family: KernelFamily, arrays: dict, attrs: dict, dims: dict | No
     results = tuple(jax.ShapeDtypeStruct(tuple(sizes[d] for d in b.dims), _dtype(b, input_dtype))
                     for b in call.results)
     # Attribute types are part of the FFI ABI: each goes as its declared numpy type.
-    typed = {a.name: getattr(np, ATTR_TYPES[a.dtype][1])(attrs.get(a.name, presence.get(a.name)))
+    derived = dict(presence, **{OPT_IN_ATTR.name: bool(opt_in)})
+    typed = {a.name: getattr(np, ATTR_TYPES[a.dtype][1])(attrs.get(a.name, derived.get(a.name)))
              for a in call.all_attrs}
     outs = jax.ffi.ffi_call(family.target, results)(*operands, **typed)
     return tuple(o for o, b in zip(outs, call.results) if not b.workspace)

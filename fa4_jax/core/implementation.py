@@ -48,6 +48,8 @@ def resolve_implementation(implementation, variant, cudnn_call: tuple | None = N
         reason = platform.library_reason(variant)
     if reason is not None:
         raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')
+    if getattr(device, "platform", None) == "gpu" and platform.unvalidated_reason(device) is not None:
+        platform.warn_unvalidated(platform.device_arch(device))
     return "fa4"
 
 

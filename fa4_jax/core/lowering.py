@@ -117,7 +117,13 @@ def register_local_lowerings(local_prim, *, reference: Callable, kernel: Callabl
         make_variant = lambda arch: variant(arch, q.dtype, q.shape[-1], params)  # noqa: E731
         reason = ((shape_reason and shape_reason(ctx.avals_in, params)) or _no_variant_reason(entry, make_variant)
                   or platform.lowering_reason(make_variant, devices))
+        unvalidated = [platform.device_arch(d) for d in devices if platform.unvalidated_reason(d) is not None]
+        if reason is None and unvalidated and implementation != "fa4":
+            # Kernels no hardware run has validated yet are opt-in (families.VALIDATED_ARCHES).
+            reason = platform.unvalidated_reason(next(d for d in devices if platform.unvalidated_reason(d)))
         if reason is None:
+            for arch in sorted(set(unvalidated)):
+                platform.warn_unvalidated(arch)
             return kernel_lowering(ctx, *operands, **params)
         if implementation == "fa4":
             raise RuntimeError(f'implementation="fa4" cannot run here: {reason}')

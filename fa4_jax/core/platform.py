@@ -19,7 +19,9 @@ import functools
 import os
 from typing import Callable
 
-from fa4_jax.families import ARCH_CC, default_menu
+import warnings
+
+from fa4_jax.families import ARCH_CC, VALIDATED_ARCHES, default_menu
 
 _BUILD_HINT = (
     "Build the kernel library with `pip install .` (or `python tools/build_inplace.py`) on a machine "
@@ -56,7 +58,7 @@ def shipped_arches() -> frozenset[str]:
 
 def _arch_names(arches) -> str:
     names = {"sm90": "9.0 (Hopper)", "sm100": "10.0 (Blackwell)"}
-    return ", ".join(names.get(a, a) for a in sorted(arches))
+    return ", ".join(names.get(a, a) for a in sorted(arches, key=lambda a: ARCH_CC.get(a, 0)))
 
 
 def device_unavailable_reason(device) -> str | None:
@@ -74,6 +76,25 @@ def device_unavailable_reason(device) -> str | None:
             f'are built for {_arch_names(shipped_arches())} only; use implementation="xla" or None'
         )
     return None
+
+
+def unvalidated_reason(device) -> str | None:
+    """None when `device`'s kernels have been validated on hardware (families.VALIDATED_ARCHES), else
+    why implementation=None does not pick them. implementation="fa4" still runs them (with
+    warn_unvalidated)."""
+    arch = device_arch(device)
+    if arch is None or arch in VALIDATED_ARCHES:
+        return None
+    return (f"the fa4_jax kernels for compute capability {_arch_names([arch])} have not been validated on hardware "
+            'yet; implementation="fa4" runs them (checking them against implementation="xla" is advised)')
+
+
+@functools.cache  # once per architecture and process
+def warn_unvalidated(arch: str) -> None:
+    """implementation="fa4" on an architecture whose kernels no run on hardware has validated yet."""
+    warnings.warn(f"fa4_jax: the {_arch_names([arch])} kernels are compiled but have not been validated on "
+                  'hardware yet; compare their results with implementation="xla" before relying on them '
+                  "(tools/validate_sm100.py)", RuntimeWarning, stacklevel=3)
 
 
 def unavailable_reason(make_variant: Callable[[str], object], device=None) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
-from fa4_jax.families.base import ARCH_CC, DTYPES, KernelFamily, Variant
+from fa4_jax.families.base import ARCH_CC, DTYPES, VALIDATED_ARCHES, KernelFamily, Variant
 from fa4_jax.ops.fwd.spec import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
 from fa4_jax.ops.kvcache.spec import KVCACHE, KVCacheVariant
 from fa4_jax.ops.varlen.spec import VARLEN, VarlenVariant
@@ -26,7 +26,7 @@ MENU_ENV = "FA4_JAX_VARIANTS"
 
 __all__ = [
     "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KVCACHE", "KVCacheVariant", "KernelFamily",
-    "MASKS", "MENU_ENV", "VARLEN", "VarlenVariant",
+    "MASKS", "MENU_ENV", "VALIDATED_ARCHES", "VARLEN", "VarlenVariant",
     "Variant", "default_menu", "family_of", "mask_kind", "menu_from_env", "variant_from_symbol",
 ]
 

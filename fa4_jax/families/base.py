@@ -20,6 +20,11 @@ from typing import Any, Callable, ClassVar
 # Architectures a variant may target, and the compute capability (major*10+minor) its cubin runs on.
 # The generated dispatch tables compare this number with the device's at run time.
 ARCH_CC = {"sm90": 90, "sm100": 100}
+# Architectures whose kernels have been run and checked on hardware. The others' kernels are opt-in:
+# implementation=None does not pick them (cuDNN or the reference serve the call), implementation="fa4"
+# runs them with a one-time warning (fa4_jax.core.platform). SM100 is compiled GPU-blind only: no
+# Blackwell GPU has run it yet (issue 16; tools/validate_sm100.py is the first contact).
+VALIDATED_ARCHES = frozenset({"sm90"})
 # CuTe-DSL --gpu-arch for each architecture (arch-specific features: wgmma/setmaxnreg, tcgen05).
 GPU_ARCH_FLAG = {"sm90": "sm_90a", "sm100": "sm_100a"}
 DTYPES = ("bf16", "fp16")
@@ -162,8 +167,14 @@ class CallSignature:
 
     @property
     def all_attrs(self) -> tuple[Attr, ...]:
-        return (*self.attrs, *self.presence_attrs)
+        return (*self.attrs, *self.presence_attrs, OPT_IN_ATTR)
 
+
+# Every family's call ends with this generated attribute (after the presence ones): whether the call
+# may run kernels of an architecture outside VALIDATED_ARCHES. The lowering sets it for
+# implementation="fa4" only, so a program exported with implementation=None refuses, on a GPU whose
+# kernels no hardware run has validated, with an FFI error that says how to opt in.
+OPT_IN_ATTR = Attr("unvalidated_ok", "bool", 'implementation="fa4": kernels outside VALIDATED_ARCHES may run')
 
 # Limits the Python validation and every handler share (fa4_jax/core/validation.py says why these values);
 # generated into fa4_shared.inc for ffi/handler_util.h.

@@ -23,6 +23,13 @@ def make_kernel(variant: FwdVariant):
         kernel = FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(variant), variant.mask, variant.softcap,
                                            FwdSeams.dense())
         return kernel.call_dense
+    if variant.arch == "sm100":
+        from fa4_jax.kernels.config_sm100 import sm100_fwd_config
+        from fa4_jax.kernels.fwd_sm100 import FlashAttentionForwardSm100
+
+        # The first SM100 kernel runs one Q tile per CTA: the configuration of a <= 128-row tile.
+        cfg = sm100_fwd_config(variant.head_dim, packed_rows=128)
+        return FlashAttentionForwardSm100(cfg, variant.mask, variant.softcap).call_dense
     raise NotImplementedError(f"no forward kernel for {variant.arch=} yet")
 
 

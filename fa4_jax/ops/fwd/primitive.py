@@ -84,10 +84,9 @@ def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> FwdVariant:
 
 
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, implementation):
-    del implementation
     named = OPERANDS.split(operands, dict(has_sinks=has_sinks))
     return kernel_call(FWD, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
-                                        window_right=window_right))
+                                        window_right=window_right), opt_in=implementation == "fa4")
 
 
 def _is_empty(avals, params) -> bool:

@@ -61,10 +61,16 @@ class FwdVariant(Variant):
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap=len(parts) == 5)
 
 
+# The architectures this family has kernels for: Hopper, and Blackwell opt-in (not yet validated on
+# hardware: families.base.VALIDATED_ARCHES).
+ARCHES = ("sm90", "sm100")
+
+
 def default_menu() -> tuple[FwdVariant, ...]:
-    """Every forward variant `pip install` builds by default (Hopper kernels only for now)."""
+    """Every forward variant `pip install` builds by default."""
     return tuple(
-        FwdVariant("sm90", dtype, hd, mask, softcap)
+        FwdVariant(arch, dtype, hd, mask, softcap)
+        for arch in ARCHES
         for dtype in DTYPES
         for hd in HEAD_DIMS
         for mask in MASKS
@@ -142,7 +148,8 @@ CALL = CallSignature(
 FWD = KernelFamily(
     name="fwd",
     # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
-    target="fa4_jax_fwd_v2",
+    # v3: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
+    target="fa4_jax_fwd_v3",
     variant=FwdVariant,
     params=_PARAMS,
     tensors=(

@@ -120,7 +120,6 @@ def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVari
 
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
                  tile_m, page_rows, num_splits, implementation):
-    del implementation
     named = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks))
     table = named["page_table"]
     splits = split_capacity(named["q"].shape, named["k_cache"].shape, None if table is None else table.shape,
@@ -136,7 +135,7 @@ def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, h
     return kernel_call(KVCACHE, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
                                             window_right=window_right, num_splits=num_splits,
                                             max_seqlen_q=max_seqlen_q, tile_m=tile_m, page_rows=page_rows),
-                       dims=dict(splits=splits))
+                       dims=dict(splits=splits), opt_in=implementation == "fa4")
 
 
 def _is_empty(avals, params) -> bool:

@@ -219,7 +219,8 @@ KVCACHE = KernelFamily(
     # v2: page_table optional (has_page_table), no `paged` attribute (v1 sent a dummy table and `paged`).
     # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q; q's extent 0 may differ from b).
     # v4: an optional tile list (ragged: only the (sequence, m_block) tiles with rows, longest first).
-    target="fa4_jax_kvcache_v4",
+    # v5: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
+    target="fa4_jax_kvcache_v5",
     variant=KVCacheVariant,
     params=_PARAMS,
     tensors=(

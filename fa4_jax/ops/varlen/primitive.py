@@ -64,14 +64,14 @@ def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> VarlenVaria
 
 def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_seqused, has_sinks, max_seqlen_q,
                  implementation):
-    del implementation
     named = OPERANDS.split(operands, dict(has_seqused=has_seqused, has_sinks=has_sinks))
     cu_k = named["cu_seqlens_k"]
     if named["seqused_k"] is None:  # the kernel always reads seqused_k: every sequence's own keys
         named["seqused_k"] = cu_k[1:] - cu_k[:-1]
     return kernel_call(VARLEN, named, dict(softmax_scale=softmax_scale, softcap=softcap, window_left=window_left,
                                            window_right=window_right,
-                                           max_seqlen_q=_grid_rows(named["q"].shape[0], max_seqlen_q)))
+                                           max_seqlen_q=_grid_rows(named["q"].shape[0], max_seqlen_q)),
+                       opt_in=implementation == "fa4")
 
 
 def _grid_rows(total_q, max_seqlen_q: int) -> int:

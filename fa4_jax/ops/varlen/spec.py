@@ -23,8 +23,9 @@ class VarlenVariant(FwdVariant):
 
 
 def default_menu() -> tuple[VarlenVariant, ...]:
-    """The dense family's default menu (every head dim, mask and softcap)."""
-    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu())
+    """The dense family's default menu (every head dim, mask and softcap) on Hopper, the one
+    architecture with a varlen kernel so far."""
+    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu() if v.arch == "sm90")
 
 
 def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
@@ -68,7 +69,8 @@ CALL = CallSignature(
 
 VARLEN = KernelFamily(
     name="varlen",
-    target="fa4_jax_varlen_v1",
+    # v2: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
+    target="fa4_jax_varlen_v2",
     variant=VarlenVariant,
     params=_PARAMS,
     tensors=(

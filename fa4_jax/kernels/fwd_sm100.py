@@ -1,0 +1,570 @@
+"""FlashAttention forward for SM100 (Blackwell), first version (issue 16; WIP, compiled GPU-blind and
+never run: no Blackwell GPU is available to this project).
+
+The FlashAttention-4 structure (FA4_NOTES.md), with one 128-row Q tile per CTA (q_stage 1) for now:
+
+  (the warps of config_sm100.WARP_ROLES_BY_Q_STAGE[1])
+  warps 0-3   softmax warpgroup: thread t owns row t of the tile (TMEM lane t). Per key block it
+              loads its row of S from Tensor Memory, masks, updates the running max (kept stale
+              unless it grows by more than RESCALE_THRESHOLD_LOG2, config_sm100), exponentiates
+              (a share config_sm100.exp2_fma_fraction of each row on the FMA pipe, exp2_fma.py),
+              writes P (bf16/fp16) back over the upper half of the same S buffer, and hands the
+              row's O scale to the correction warpgroup.
+  warps 4-7   correction warpgroup: thread t rescales row t of O in Tensor Memory between two
+              P.V gemms (skipped by a warp whose 32 rows all kept their max), and at the end
+              divides by the row sum and stores O.
+  warp 8      MMA: one thread issues tcgen05.mma -- S_j = Q K_j^T into S[j % 2] while the softmax
+              works on S[(j - 1) % 2], then O += P_(j-1) V_(j-1) -- and tcgen05.commit for every
+              handoff.
+  warp 9      load: TMA of Q once, K_j and V_j into their rings.
+  warps 10-11 idle (the fourth warpgroup's budget, `other_regs`, covers warps 8-11).
+
+Handoffs (mbarrier pipelines of cutlass.pipeline): Q, K, V (TMA -> UMMA); S (UMMA -> softmax, two
+buffers); P (softmax -> UMMA, two buffers); O (UMMA -> correction: a P.V gemm has completed, and the
+correction's release lets the next P.V gemm accumulate into the rescaled O); row scales (softmax ->
+correction, two slots in shared memory: N - 1 scales per tile, then the final 1 / row sum).
+
+The MMA warp issues P_(j-1) V_(j-1) before S_(j+1) = Q K_(j+1)^T into the same TMEM columns, and the
+tensor core runs one thread's MMAs in order: so P in the upper half of S is read before it is
+overwritten, without a barrier.
+
+Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
+conventions (block_info.py, softmax.py). Not yet (the next steps, measured on hardware first): two Q
+tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent longest-first
+scheduling, TMA store of O, and the KV-cache / varlen seams.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import TmemAllocator
+
+from fa4_jax.kernels.block_info import BlockInfo
+from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig
+from fa4_jax.kernels.exp2_fma import exp2_fma
+from fa4_jax.kernels.seqlen import SeqlenInfo
+from fa4_jax.kernels.softmax import OnlineSoftmax
+from fa4_jax.kernels.utils import permute_modes
+
+_LOG2E = 1.4426950408889634
+# The warps of one Q tile per CTA (config_sm100.WARP_ROLES_BY_Q_STAGE[1]).
+_ROLES = WARP_ROLES_BY_Q_STAGE[1]
+MMA_WARP = _ROLES["mma"][0]
+LOAD_WARP = _ROLES["load"][0]
+# The threads that touch Tensor Memory (allocation and free barriers): MMA, softmax, correction.
+_TMEM_THREADS = 32 * (1 + len(_ROLES["softmax0"]) + len(_ROLES["correction"]))
+# Named barriers (0 is __syncthreads).
+_BAR_TMEM_ALLOC = 1
+_BAR_TMEM_FREE = 2
+
+
+def _tcgen05_fence_before():
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+
+
+def _tcgen05_fence_after():
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC)
+
+
+def _tmem_base(tmem: TmemAllocator):
+    """The allocation's base address, once the MMA warp's tcgen05.alloc has published it."""
+    _tcgen05_fence_before()
+    tmem.wait_for_alloc()
+    _tcgen05_fence_after()
+    return tmem.retrieve_ptr(Float32)
+
+
+class FlashAttentionForwardSm100:
+    def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool):
+        if cfg.q_stage != 1:
+            raise NotImplementedError("the first SM100 kernel runs one Q tile per CTA (q_stage 1)")
+        if mask not in ("full", "causal", "local"):
+            raise ValueError(f"unknown mask kind {mask=}")
+        self.cfg = cfg
+        self.mask = mask
+        self.softcap = softcap
+        # Separate K and V rings, each half of what the shared memory holds beside Q (O leaves
+        # from registers in this version: no staging tile).
+        q_bytes = cfg.tile_m * cfg.head_dim * 2
+        self.stages = min((224 * 1024 - q_bytes) // (2 * cfg.kv_tile_bytes), 4)
+        if self.stages < 2:
+            raise ValueError(f"{cfg.head_dim=}: fewer than two K/V stages fit")
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def call_dense(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mK: cute.Tensor,  # (b, s_k, h_k, d)
+        mV: cute.Tensor,  # (b, s_k, h_k, d)
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32
+        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        dtype = mQ.element_type
+        self.dtype = dtype
+        if const_expr(not (dtype == mK.element_type == mV.element_type == mO.element_type)):
+            raise TypeError("q, k, v and o must share one dtype")
+        # Q, K, O: (s, d, h, b), head_dim contiguous (K-major operands); V: (d, s, h, b), the P.V
+        # gemm's B operand with N = head_dim contiguous (MN-major).
+        mQ, mK, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+        mVt = permute_modes(mV, [3, 1, 2, 0])
+        mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
+
+        mma_qk = (cfg.tile_m, cfg.tile_n, cfg.head_dim)
+        mma_pv = (cfg.tile_m, cfg.head_dim, cfg.tile_n)
+        major_k, major_mn = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dtype, dtype, major_k, major_k, Float32,
+                                                          tcgen05.CtaGroup.ONE, mma_qk[:2])
+        # P comes from Tensor Memory (the A operand), V from shared memory.
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dtype, dtype, major_k, major_mn, Float32,
+                                                          tcgen05.CtaGroup.ONE, mma_pv[:2], tcgen05.OperandSource.TMEM)
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_qk, dtype, 1)
+        sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_qk, dtype, self.stages)
+        sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_pv, dtype, self.stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_pv, dtype, 1)
+
+        cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,))
+        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        one = lambda layout: cute.select(layout, mode=[0, 1, 2])  # noqa: E731 - one stage
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(load_op, mQ, one(sQ_layout), mma_qk, tiled_mma_qk,
+                                                             cluster.shape)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(load_op, mK, one(sK_layout), mma_qk, tiled_mma_qk,
+                                                             cluster.shape)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(load_op, mVt, one(sV_layout), mma_pv, tiled_mma_pv,
+                                                             cluster.shape)
+        self.q_bytes = cute.size_in_bytes(dtype, one(sQ_layout))
+        self.kv_bytes = cute.size_in_bytes(dtype, one(sK_layout))
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], cfg.tile_m)
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
+            softmax_scale_log2, softcap_prescale, window_left, window_right, mQ.shape[0], mK.shape[0],
+            mQ.shape[2] // mK.shape[2], num_m_blocks, sQ_layout, sK_layout, sV_layout, tP_layout,
+        ).launch(grid=[num_m_blocks * mQ.shape[2] * mQ.shape[3], 1, 1], block=[cfg.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mVt: cute.Tensor,
+        mO: cute.Tensor,  # (s_q, d, h_q, b)
+        mLSE: cute.Tensor,  # (s_q, h_q, b)
+        mSinks: cute.Tensor,
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        qhead_per_kv: Int32,
+        num_m_blocks: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx = cute.arch.thread_idx()[0]
+        # A one-dimensional grid, m-blocks fastest: gridDim.y and .z stop at 65535, which heads x batch
+        # (vmap folds its axis into the batch) easily pass (as in tile_scheduler.py).
+        tile = cute.arch.block_idx()[0]
+        m_block = tile % num_m_blocks
+        head = (tile // num_m_blocks) % mO.shape[2]
+        batch = tile // (num_m_blocks * mO.shape[2])
+        head_kv = head // qhead_per_kv
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 4]
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 4]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_scale: cute.struct.MemRange[cutlass.Int64, 4]
+            tmem_holding: Int32
+            row_scale: cute.struct.MemRange[Float32, 2 * 128]
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        dtype = mO.element_type  # mQ, mK, mVt are TMA coordinate tensors
+        sQ = smem.allocate_tensor(dtype, sQ_layout.outer, 1024, sQ_layout.inner)
+        sK = smem.allocate_tensor(dtype, sK_layout.outer, 1024, sK_layout.inner)
+        sV = smem.allocate_tensor(dtype, sV_layout.outer, 1024, sV_layout.inner)
+
+        if warp_idx == LOAD_WARP:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        # --- the handoffs
+        cta = cute.make_layout((1, 1, 1, 1))
+        load_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        wg_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+        # Every barrier is initialised here and made visible by the one sync below (defer_sync).
+        def make(kind, stages, producer, consumer, mbar, **kw):
+            return kind.create(num_stages=stages, producer_group=producer, consumer_group=consumer,
+                               barrier_storage=mbar.data_ptr(), defer_sync=True, **kw)
+
+        tma_umma = partial(make, pipeline.PipelineTmaUmma, producer=load_thread, consumer=mma_thread,
+                           cta_layout_vmnk=cta)
+        pipe_q = tma_umma(1, mbar=storage.mbar_q, tx_count=self.q_bytes)
+        pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
+        pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
+        pipe_s = make(pipeline.PipelineUmmaAsync, 2, mma_thread, wg_threads, storage.mbar_s, cta_layout_vmnk=cta)
+        pipe_p = make(pipeline.PipelineAsyncUmma, 2, wg_threads, mma_thread, storage.mbar_p, cta_layout_vmnk=cta)
+        pipe_o = make(pipeline.PipelineUmmaAsync, 1, mma_thread, wg_threads, storage.mbar_o, cta_layout_vmnk=cta)
+        pipe_scale = make(pipeline.PipelineAsync, 2, wg_threads, wg_threads, storage.mbar_scale)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # --- Tensor Memory: allocated by the MMA warp, its address read by every role that uses it.
+        tmem = TmemAllocator(storage.tmem_holding.ptr,
+                             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
+                                                                        num_threads=_TMEM_THREADS))
+        seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
+        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
+        n_block_min, n_block_max = blocks.n_block_min_max(m_block)
+        n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+
+        thr_qk = tiled_mma_qk.get_slice(0)
+        thr_pv = tiled_mma_pv.get_slice(0)
+        s_acc = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
+        o_acc = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
+        tmap = cfg.tmem_map
+        sScale = storage.row_scale.get_tensor(cute.make_layout((128, 2)))  # (row, slot) softmax -> correction
+
+        if warp_idx == LOAD_WARP:
+            cute.arch.setmaxregister_decrease(cfg.other_regs)
+            self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
+                      pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks)
+        elif warp_idx == MMA_WARP:
+            cute.arch.setmaxregister_decrease(cfg.other_regs)
+            tmem.allocate(cfg.tmem_alloc_columns)
+            base = _tmem_base(tmem)
+            tmem.relinquish_alloc_permit()
+            tS0 = cute.make_tensor(base + tmap["S0"][0], s_acc.layout)
+            tO = cute.make_tensor(base + tmap["O0"][0], o_acc.layout)
+            # P as the P.V gemm's A operand in TMEM; its iterator counts P elements, two per column.
+            tP = thr_pv.make_fragment_A(cute.make_tensor(base, tP_layout.outer))[None, None, None, 0]
+            per_col = Float32.width // mO.element_type.width
+            tP0 = cute.make_tensor(tP.iterator + per_col * tmap["P0"][0], tP.layout)
+            p_step = per_col * (tmap["P1"][0] - tmap["P0"][0])
+            s_step = tmap["S1"][0] - tmap["S0"][0]
+            self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, tP0, p_step, pipe_q, pipe_k, pipe_v,
+                     pipe_s, pipe_p, pipe_o, n_blocks)
+            # Every role is done with Tensor Memory before it is freed.
+            _tcgen05_fence_before()
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+            _tcgen05_fence_after()
+            tmem.free(base)
+        elif warp_idx <= _ROLES["softmax0"][-1]:
+            cute.arch.setmaxregister_increase(cfg.softmax_regs)
+            self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
+                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx)
+            _tcgen05_fence_before()
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+        elif warp_idx <= _ROLES["correction"][-1]:
+            cute.arch.setmaxregister_decrease(cfg.correction_regs)
+            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q,
+                            n_blocks, tidx - 32 * _ROLES["correction"][0])
+            _tcgen05_fence_before()
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+        else:
+            cute.arch.setmaxregister_decrease(cfg.other_regs)
+
+    @cute.jit
+    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
+             pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks):
+        """Q once, then K_j and V_j from the highest block down (the order the MMA warp uses them)."""
+        cfg = self.cfg
+        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mVt[None, None, head_kv, batch], (cfg.head_dim, cfg.tile_n), (0, None))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
+                                           cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(thr_qk.partition_B(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(thr_pv.partition_B(gV), 0, 3))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if n_blocks > 0:
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            for i in cutlass.range(n_blocks, unroll=1):
+                n_block = n_block_min + n_blocks - 1 - i
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+
+    @cute.jit
+    def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO, tP0,
+            p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks):
+        """One thread issues every gemm of the tile: S_j = Q K_j^T into S[j % 2], then
+        O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O."""
+        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
+        tSrK = tiled_mma_qk.make_fragment_B(sK)
+        tOrV = tiled_mma_pv.make_fragment_B(sV)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        if n_blocks > 0:
+            pipe_q.consumer_wait(q_state)
+            for j in cutlass.range(n_blocks + 1, unroll=1):
+                if j < n_blocks:
+                    # S_j = Q K_j^T into S[j % 2] (free once the softmax has read S_(j-2)).
+                    pipe_k.consumer_wait(kv_state)
+                    pipe_s.producer_acquire(s_state)
+                    with cute.arch.elect_one():
+                        self._gemm(tiled_mma_qk, self._stage(tS0, s_step, j % 2), tSrQ[None, None, None, 0],
+                                   tSrK[None, None, None, kv_state.index])
+                    # Commits complete in issue order once the gemm has: the stage's release
+                    # first, so that the kernel's last arrive is one a consumer waits for (none
+                    # lands in shared memory after the CTA has exited).
+                    pipe_k.consumer_release(kv_state)
+                    pipe_s.producer_commit(s_state)
+                    s_state.advance()
+                    kv_state.advance()
+                if j > 0:
+                    # O (+)= P_(j-1) V_(j-1), after the softmax wrote P_(j-1) and the correction
+                    # released the previous O (rescaled, when the max moved).
+                    pipe_p.consumer_wait(p_state)
+                    pipe_v.consumer_wait(v_state)
+                    pipe_o.producer_acquire(o_state)
+                    with cute.arch.elect_one():
+                        self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, (j - 1) % 2),
+                                   tOrV[None, None, None, v_state.index], accumulate=j > 1)
+                    pipe_v.consumer_release(v_state)
+                    pipe_p.consumer_release(p_state)
+                    pipe_o.producer_commit(o_state)
+                    o_state.advance()
+                    v_state.advance()
+                    p_state.advance()
+
+    @staticmethod
+    def _stage(t0, step: int, stage):
+        """Buffer `stage` (runtime) of two same-layout TMEM buffers `step` elements apart: by address,
+        since a runtime choice between two tensors is not a value the DSL can carry."""
+        return cute.make_tensor(t0.iterator + stage * step, t0.layout)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tA, tB, accumulate=False):
+        """acc (=|+=) A B over the k-blocks of one tile, issued by the calling thread."""
+        tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
+                softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx):
+        """Thread tidx owns row tidx: its scores come from TMEM lane tidx."""
+        cfg = self.cfg
+        tmap = cfg.tmem_map
+        dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
+        st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x32), Float32)
+        tS0 = cute.make_tensor(base + tmap["S0"][0], s_acc.layout)[((None, None), 0, 0)]
+        s_step = tmap["S1"][0] - tmap["S0"][0]
+        cS = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+        t2r = tcgen05.make_tmem_copy(ld_atom, tS0).get_slice(tidx)
+        tScS = t2r.partition_D(cS)
+        # P_i: tile_n bf16 per row packed two to a 32-bit column, the upper half of S_i.
+        p_cols = cfg.tile_n // 2
+        tPt0 = cute.make_tensor(base + tmap["P0"][0], cute.composition(tS0.layout, cute.make_layout((128, p_cols))))
+        r2t = tcgen05.make_tmem_copy(st_atom, tPt0).get_slice(tidx)
+        tPr_shape = cute.make_layout(r2t.partition_S(cute.make_identity_tensor((cfg.tile_m, p_cols))).shape)
+        row_max = -Float32.inf
+        row_sum = Float32(0.0)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        row = m_block * cfg.tile_m + tidx
+        fma_per_16 = round(cfg.exp2_fma_fraction * 16)  # config_sm100: e.g. 2 of 16 at hd128
+        n_block_max = n_block_min + n_blocks
+        n_block_right = blocks.n_block_right(m_block) if const_expr(blocks.has_right_edge) else n_block_max
+        n_block_left = blocks.n_block_left(m_block) if const_expr(blocks.has_left_edge) else n_block_min
+        for j in cutlass.range(n_blocks, unroll=1):
+            n_block = n_block_min + n_blocks - 1 - j
+            stage = j % 2
+            pipe_s.consumer_wait(s_state)
+            _tcgen05_fence_after()
+            tSrc = t2r.partition_S(self._stage(tS0, s_step, stage))
+            rS = cute.make_rmem_tensor(tScS.shape, Float32)
+            cute.copy(t2r, tSrc, rS)
+            cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
+            if const_expr(self.softcap):
+                OnlineSoftmax.softcap(rS, softcap_prescale)
+            # Masks, in the blocks that need them (block_info.py): the sequence's last block (keys
+            # past seqlen_k), and with a window the blocks its right (causal: the diagonal) or
+            # left edge crosses; bottom-right aligned, as everywhere in this library.
+            need_mask = n_block == n_block_max - 1
+            if const_expr(blocks.has_right_edge):
+                need_mask = need_mask or n_block >= n_block_right
+            if const_expr(blocks.has_left_edge):
+                need_mask = need_mask or n_block < n_block_left
+            if need_mask:
+                col0 = n_block * cfg.tile_n
+                hi = blocks.seqlen.seqlen_k - col0
+                lo = Int32(0)
+                if const_expr(blocks.has_right_edge):
+                    diag = row + blocks.diag_offset() - col0
+                    hi = cutlass.min(hi, diag + blocks.window_right + 1)
+                    if const_expr(blocks.has_left_edge):
+                        lo = diag - blocks.window_left
+                for i in cutlass.range_constexpr(cute.size(rS)):
+                    col = tScS[i][1]
+                    if const_expr(blocks.has_left_edge):
+                        if col >= hi or col < lo:
+                            rS[i] = -Float32.inf
+                    elif col >= hi:
+                        rS[i] = -Float32.inf
+            block_max = rS[0]
+            for i in cutlass.range_constexpr(1, cute.size(rS)):
+                block_max = cute.arch.fmax(block_max, rS[i])
+            # Conditional rescaling: keep the stale max unless it grows by more than the threshold.
+            new_max = row_max
+            if row_max == -Float32.inf or (block_max - row_max) * softmax_scale_log2 > RESCALE_THRESHOLD_LOG2:
+                new_max = block_max
+            scale = Float32(1.0)
+            if new_max != row_max:
+                scale = 0.0 if row_max == -Float32.inf else cute.math.exp2((row_max - new_max) * softmax_scale_log2,
+                                                                          fastmath=True)
+            row_max = new_max
+            max_scaled = 0.0 if row_max == -Float32.inf else row_max * softmax_scale_log2
+            rP = cute.make_rmem_tensor(tScS.shape, dtype_p)
+            block_sum = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(rS)):
+                x = rS[i] * softmax_scale_log2 - max_scaled
+                # A fixed share of each row's exponentials on the FMA pipe, the rest on MUFU.
+                p = exp2_fma(x) if const_expr(i % 16 < fma_per_16) else cute.math.exp2(x, fastmath=True)
+                block_sum += p
+                rP[i] = p.to(dtype_p)
+            row_sum = row_sum * scale + block_sum
+            pipe_s.consumer_release(s_state)
+            s_state.advance()
+            # P over the upper half of S_(j % 2), as 32-bit pairs.
+            pipe_p.producer_acquire(p_state)
+            # rP holds the row's P in column order (tScS), so its 32-bit pairs are P's packed
+            # columns in order, which is the register side of the 32x32b store.
+            rP32 = cute.make_tensor(cute.recast_tensor(rP, Float32).iterator, tPr_shape)
+            cute.copy(r2t, rP32, r2t.partition_D(self._stage(tPt0, s_step, stage)))
+            cute.arch.fence_view_async_tmem_store()
+            pipe_p.producer_commit(p_state)
+            p_state.advance()
+            if j > 0:
+                # O's scale for this step, to the correction thread of the same row.
+                pipe_scale.producer_acquire(sc_state)
+                sScale[tidx, sc_state.index] = scale
+                pipe_scale.producer_commit(sc_state)
+                sc_state.advance()
+        # The final entry: 1 / row sum, sinks included (a sink adds exp(sink) to the denominator).
+        sink = mSinks[head] * _LOG2E
+        max_scaled = -Float32.inf if row_max == -Float32.inf else row_max * softmax_scale_log2
+        big = cute.arch.fmax(max_scaled, sink)
+        big_safe = 0.0 if big == -Float32.inf else big
+        total = row_sum * cute.math.exp2(max_scaled - big_safe, fastmath=True) if n_blocks > 0 else Float32(0.0)
+        total += cute.math.exp2(sink - big_safe, fastmath=True)
+        inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total) * cute.math.exp2(max_scaled - big_safe,
+                                                                                   fastmath=True)
+        if n_blocks > 0:
+            pipe_scale.producer_acquire(sc_state)
+            sScale[tidx, sc_state.index] = inv
+            pipe_scale.producer_commit(sc_state)
+        if row < blocks.seqlen.seqlen_q:
+            lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+            mLSE[row, head, batch] = lse
+
+    @cute.jit
+    def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q, n_blocks,
+                   tidx):
+        """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx): rescales it in TMEM between P.V
+        gemms, then stores O / row sum. A row is head_dim fp32 values, more than the warpgroup's
+        registers: it is done in 32-column chunks (one 32x32b load or store each)."""
+        cfg = self.cfg
+        chunk = 32
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
+        st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x32), Float32)
+        tO = cute.make_tensor(base + cfg.tmem_map["O0"][0], o_acc.layout)[((None, None), 0, 0)]
+        tO_chunks = cute.flat_divide(tO, (cfg.tile_m, chunk))  # (128, 32, 1, d / 32)
+        t2r = tcgen05.make_tmem_copy(ld_atom, tO_chunks[None, None, 0, 0]).get_slice(tidx)
+        r2t = tcgen05.make_tmem_copy(st_atom, tO_chunks[None, None, 0, 0]).get_slice(tidx)
+        tOcO = t2r.partition_D(cute.make_identity_tensor((cfg.tile_m, chunk)))
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        row = m_block * cfg.tile_m + tidx
+        for j in cutlass.range(n_blocks, unroll=1):
+            pipe_o.consumer_wait(o_state)  # P_j V_j has landed in O
+            pipe_scale.consumer_wait(sc_state)
+            scale = sScale[tidx, sc_state.index]
+            pipe_scale.consumer_release(sc_state)
+            sc_state.advance()
+            _tcgen05_fence_after()
+            last = j == n_blocks - 1
+            # Not last: rescale for the next step's max (a warp whose rows all kept theirs skips
+            # it). Last: scale is 1 / row sum, and O leaves.
+            if last or cute.arch.vote_any_sync(scale != 1.0):
+                for c in cutlass.range_constexpr(cfg.head_dim // chunk):
+                    rO = cute.make_rmem_tensor(tOcO.shape, Float32)
+                    cute.copy(t2r, t2r.partition_S(tO_chunks[None, None, 0, c]), rO)
+                    cute.arch.fence_view_async_tmem_load()
+                    for i in cutlass.range_constexpr(cute.size(rO)):
+                        rO[i] = rO[i] * scale
+                    if last:
+                        if row < seqlen_q:
+                            out = mO[row, None, head, batch]
+                            for i in cutlass.range_constexpr(cute.size(rO)):
+                                out[c * chunk + tOcO[i][1]] = rO[i].to(mO.element_type)
+                    else:
+                        cute.copy(r2t, rO, r2t.partition_D(tO_chunks[None, None, 0, c]))
+                if not last:
+                    cute.arch.fence_view_async_tmem_store()
+            _tcgen05_fence_before()
+            pipe_o.consumer_release(o_state)
+            o_state.advance()
+        if n_blocks == 0:
+            # No key: O = 0 (the softmax wrote lse).
+            if row < seqlen_q:
+                out = mO[row, None, head, batch]
+                for i in cutlass.range_constexpr(cfg.head_dim):
+                    out[i] = Float32(0.0).to(mO.element_type)

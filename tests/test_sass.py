@@ -1,0 +1,159 @@
+"""The SASS reader (fa4_jax/aot/sass.py) on freshly compiled objects, CPU-only: the sm_100a tcgen05
+probe (tools/sm100_probe.py) must come out as Blackwell code (UTCHMMA, UTCBAR, LDTM, UTMALDG; no
+HGMMA) and a Hopper variant as Hopper code (HGMMA; no UTCHMMA).
+
+The SASS tests need nvdisasm, which CUDA 13.0's toolkit lacks: without it they fail rather than
+skip, so that CI (which installs the wheel) cannot go green without having looked at a kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa4_jax.aot import sass
+
+ROOT = Path(__file__).resolve().parents[1]
+HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_causal"
+SM100_SYMBOL = "fa4_fwd_sm100_bf16_hd128_causal"  # the first SM100 attention kernel (fwd_sm100.py)
+
+
+def _nvdisasm() -> str:
+    found = sass.find_nvdisasm()
+    if found is None:
+        pytest.fail(f"nvdisasm not found ($NVDISASM, PATH, /usr/local/cuda/bin, the wheel): `{sass.PIP_HINT}`",
+                    pytrace=False)
+    return found
+
+
+def _run(args: list[str], env_arch: str | None, what: str) -> subprocess.CompletedProcess:
+    # Each compile gets a process of its own: the DSL fixes its target when cutlass is imported, so
+    # one pytest process could not build both architectures (compile_all uses a pool per arch for
+    # the same reason), and other tests may already have imported it for Hopper.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("CUTE_DSL_ARCH", None)
+    if env_arch:
+        env["CUTE_DSL_ARCH"] = env_arch
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", pytrace=False)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def sm100_obj(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sm100_probe")
+    _run([str(ROOT / "tools" / "sm100_probe.py"), str(out), "sm_100a"], "sm_100a", "compiling tools/sm100_probe.py")
+    return out / "probe_sm100.o"
+
+
+def _compile_one(tmp_path_factory, symbol: str) -> Path:
+    out = tmp_path_factory.mktemp(symbol)
+    code = ("import json, sys; from fa4_jax.aot.worker import compile_one; "
+            f"print(json.dumps(compile_one({symbol!r}, sys.argv[1])))")
+    proc = _run(["-c", code, str(out)], None, f"compile_one({symbol!r})")  # ~4 s
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "error" in result:
+        pytest.fail(f"compile_one({symbol!r}):\n{result['error']}", pytrace=False)
+    return out / f"{symbol}.o"
+
+
+@pytest.fixture(scope="module")
+def sm90_obj(tmp_path_factory) -> Path:
+    return _compile_one(tmp_path_factory, HOPPER_SYMBOL)
+
+
+@pytest.fixture(scope="module")
+def sm100_attention_obj(tmp_path_factory) -> Path:
+    return _compile_one(tmp_path_factory, SM100_SYMBOL)
+
+
+def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
+    """The SM100 forward kernel compiled GPU-blind: sm_100a code whose gemms are tcgen05.mma with
+    accumulators in Tensor Memory (S and O loaded and P and O stored by tcgen05.ld / st), handoffs by
+    tcgen05.commit, per-warpgroup setmaxnreg budgets, and no local memory."""
+    from fa4_jax.aot.cubin import kernel_resources
+
+    assert sass.cubin_arch(sm100_attention_obj) == {"sm_100a"}
+    kernels = sass.kernel_sass(sm100_attention_obj, _nvdisasm())
+    (name, text), = [(n, t) for n, t in kernels.items() if "FlashAttentionForwardSm100" in n]
+    ops = sass.opcode_counts(text)
+    for op in ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTMALDG", "USETMAXREG", "MUFU"):
+        assert ops[op] > 0, (op, sorted(ops.items()))
+    assert ops["HGMMA"] == ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
+    (res,) = [r for k, r in kernel_resources(sm100_attention_obj).items() if "FlashAttentionForwardSm100" in k]
+    assert res.get("frame", 0) == 0, res
+
+
+def test_sm100_probe_is_sm100a(sm100_obj):
+    assert sass.cubin_arch(sm100_obj) == {"sm_100a"}
+
+
+def test_sm100_probe_sass_is_tcgen05(sm100_obj):
+    kernels = sass.kernel_sass(sm100_obj, _nvdisasm())
+    assert len(kernels) == 1 and "ProbeGemm" in next(iter(kernels)), list(kernels)
+    ops = sass.opcode_counts(next(iter(kernels.values())))
+    # tcgen05.mma, tcgen05.commit to the mbarrier, tcgen05.ld of the accumulator, the TMA loads.
+    for op in ("UTCHMMA", "UTCBAR", "LDTM", "UTMALDG"):
+        assert ops[op] > 0, (op, sorted(ops.items()))
+    assert ops["HGMMA"] == 0, sorted(ops.items())
+
+
+def test_hopper_variant_is_sm90a(sm90_obj):
+    assert sass.cubin_arch(sm90_obj) == {"sm_90a"}
+
+
+def test_hopper_variant_sass_is_wgmma(sm90_obj):
+    kernels = sass.kernel_sass(sm90_obj, _nvdisasm())
+    attn = [text for name, text in kernels.items() if "FlashAttentionForward" in name]
+    assert len(attn) == 1, list(kernels)
+    assert sass.opcode_counts(attn[0])["HGMMA"] > 0
+    for name, text in kernels.items():
+        assert sass.opcode_counts(text)["UTCHMMA"] == 0, name
+
+
+def test_arch_specific_suffix_comes_from_nv_compat(sm90_obj):
+    """e_flags is the same for sm_90 and sm_90a; clearing .nv.compat attribute 0x09 (what
+    cuobjdump and nvdisasm read the `a` from) must turn the reading into plain sm_90."""
+    (elf,) = sass.embedded_cubins(sm90_obj)
+    assert sass.elf_arch(elf) == "sm_90a"
+    (off, size), = [(o, s) for name, _t, o, s in sass._section_headers(elf) if name == ".nv.compat"]
+    at = elf.find(b"\x02\x09\x01", off, off + size)
+    assert at >= 0 and (at - off) % 4 == 0, elf[off:off + size].hex()
+    patched = bytearray(elf)
+    patched[at + 2] = 0
+    assert sass.elf_arch(bytes(patched)) == "sm_90"
+
+
+def test_opcode_counts_and_function_split():
+    listing = """\t.target\tsm_100a
+
+//--------------------- .text.k                   --------------------------
+\t.section\t.text.k,"ax",@progbits
+.text.k:
+        /*0000*/                   LDC R1, c[0x0][0x37c] ;
+        /*0010*/               @P0 BRA `(.L_x_0) ;
+        /*0020*/              @!P1 BRA `(.L_x_7) ;
+        /*0030*/         @!UPT UTCHMMA gdesc[UR20], gdesc[UR22], tmem[UR29], tmem[UR6], idesc[UR7], UR8, !UPT ;
+        /*0040*/                   LDTM.x32 R100, tmem[UR4] ;
+        /*0050*/                   UTMALDG.2D [UR8], [UR10] ;
+//--------------------- .text.other_1 --------------------------
+        /*0000*/                   EXIT ;
+//--------------------- SYMBOLS --------------------------
+\t.type\t\t.nv.reservedSmem.offset0,@object
+"""
+    funcs = sass.split_functions(listing)
+    assert list(funcs) == ["k", "other_1"]
+    assert sass.opcode_counts(funcs["k"]) == {"LDC": 1, "BRA": 2, "UTCHMMA": 1, "LDTM": 1, "UTMALDG": 1}
+    assert sass.opcode_counts(funcs["other_1"]) == {"EXIT": 1}
+
+
+def test_missing_nvdisasm_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(sass, "find_nvdisasm", lambda: None)
+    with pytest.raises(sass.NvdisasmNotFound, match="pip install nvidia-cuda-nvdisasm"):
+        sass.kernel_sass(tmp_path / "none.o")

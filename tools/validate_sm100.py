@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""First contact with a Blackwell GPU (issue 16): run every SM100 kernel the library holds against a
+float64 oracle, time the dense ones against cuDNN in the same run, and print one screen saying which
+of them may be switched on (added to VALIDATED_ARCHES, fa4_jax/families/base.py).
+
+    python tools/validate_sm100.py                # on a B200 (compute capability 10.x)
+    python tools/validate_sm100.py --quick        # fewer shapes, fewer timed rows
+    python tools/validate_sm100.py --any-arch     # the same checks of the kernels this GPU runs (a dry
+                                                  # run of the script on a Hopper GPU, say)
+    python tools/validate_sm100.py --json out.json
+
+Correctness: for every built variant of the device's architecture in the dense family (dtype x head_dim
+x mask x softcap), random normal inputs of odd sizes (GQA, seqlen_q == seqlen_k and a shorter query
+block against more keys), the output and LSE against a float64 NumPy oracle on sampled rows, every
+output finite, then a second call with other inputs (a kernel that keeps state between calls, or reads
+uninitialised shared memory, shows here). Speed: causal and non-causal prefill at 16k tokens per call
+(heads = 2048 / head_dim), TFLOP/s of ours and of cuDNN (`jax.nn.dot_product_attention`).
+
+Verdict per (head_dim, mask, softcap): "switch on" when every case of it passed and, where cuDNN runs
+the same call, ours is at least 0.9x cuDNN's speed; "keep opt-in (slower than cuDNN)"; or "do not
+use" with the first failure. The exit status is 0 when every kernel is correct (whether or not each
+is fast enough), 1 when any failed, 2 when this is not the architecture asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+# The bf16 accuracy rule of the benchmarks (examples/benchmark.REL_ERR_LIMIT): max |error| over the
+# sampled rows relative to the oracle's max |value|; LSE compared absolutely (natural log units).
+REL_ERR_LIMIT = 2e-2
+LSE_ATOL = 2e-2
+FAST_ENOUGH = 0.9  # of cuDNN's TFLOP/s, on every timed row of a configuration
+WINDOW = (61, 7)
+SOFTCAP = 30.0
+
+
+def verdict(correct: list[str], ratios: list[float]) -> str:
+    """One configuration's verdict from its failures (empty: all passed) and its speed ratios to cuDNN
+    (ours / cuDNN TFLOP/s; empty when cuDNN runs none of its calls)."""
+    if correct:
+        return f"do not use: {correct[0]}"
+    if ratios and min(ratios) < FAST_ENOUGH:
+        return f"keep opt-in: {min(ratios):.2f}x cuDNN at worst (below {FAST_ENOUGH}x)"
+    return "switch on" + (f" ({min(ratios):.2f}x cuDNN at worst)" if ratios else " (no cuDNN row to compare)")
+
+
+def oracle(q, k, v, rows, causal: bool, window, softcap: float, heads: int):
+    """float64 output and LSE for batch 0, the first `heads` q-heads and the given query rows (GQA by
+    repeat; masks aligned bottom-right as fa4_jax's)."""
+    s_q, s_k, h_q, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    group = h_q // k.shape[2]
+    qs = np.asarray(q[0, rows, :heads], np.float64)
+    ks = np.repeat(np.asarray(k[0], np.float64), group, axis=1)[:, :heads]
+    vs = np.repeat(np.asarray(v[0], np.float64), group, axis=1)[:, :heads]
+    logits = np.einsum("rhd,shd->hrs", qs, ks) / math.sqrt(d)
+    if softcap:
+        logits = softcap * np.tanh(logits / softcap)
+    diag = np.asarray(rows)[None, :, None] + (s_k - s_q)
+    key = np.arange(s_k)[None, None, :]
+    left, right = window
+    right = 0 if causal else right
+    visible = np.ones_like(logits, bool)
+    if right >= 0:
+        visible &= key <= diag + right
+    if left >= 0:
+        visible &= key >= diag - left
+    logits = np.where(visible, logits, -np.inf)
+    m = logits.max(-1, keepdims=True)
+    p = np.exp(logits - m)
+    lse = (np.log(p.sum(-1)) + m[..., 0])  # (h, r)
+    return np.einsum("hrs,shd->rhd", p / p.sum(-1, keepdims=True), vs), lse
+
+
+def check_variant(fa4_jax, jax, jnp, variant, shapes, seed: int) -> list[str]:
+    """Failures of one variant over `shapes` ((b, s_q, s_k, h_q, h_k) each), two input sets each."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
+    causal = variant.mask == "causal"
+    window = WINDOW if variant.mask == "local" else (-1, -1)
+    softcap = SOFTCAP if variant.softcap else 0.0
+    fn = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                                   return_lse=True, implementation="fa4"))
+    failures = []
+    for shape in shapes:
+        b, s_q, s_k, h_q, h_k = shape
+        for draw in range(2):
+            keys = jax.random.split(jax.random.key(seed + 7919 * draw + s_q), 3)
+            q, k, v = (jax.random.normal(kk, (b, s, h, variant.head_dim), jnp.float32).astype(dtype)
+                       for kk, s, h in zip(keys, (s_q, s_k, s_k), (h_q, h_k, h_k)))
+            try:
+                o, lse = jax.block_until_ready(fn(q, k, v))
+            except Exception as e:  # noqa: BLE001 - an FFI error is a finding, not a crash of the tool
+                failures.append(f"{shape}: the call failed: {str(e).splitlines()[0][:120]}")
+                break
+            if not (np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(lse)).all()):
+                failures.append(f"{shape}: non-finite output")
+                break
+            rows = np.unique(np.r_[np.arange(min(16, s_q)), np.arange(max(0, s_q - 16), s_q)])
+            ref_o, ref_lse = oracle(q, k, v, rows, causal, window, softcap, heads=min(h_q, 4))
+            got = np.asarray(o[0, rows, : ref_o.shape[1]], np.float64)
+            err = np.abs(got - ref_o).max() / max(np.abs(ref_o).max(), 1e-30)
+            lse_err = np.abs(np.asarray(lse[0, : ref_o.shape[1]][:, rows], np.float64) - ref_lse).max()
+            if err > REL_ERR_LIMIT or lse_err > LSE_ATOL:
+                failures.append(f"{shape} draw {draw}: output error {err:.2e}, LSE error {lse_err:.2e}")
+                break
+    return failures
+
+
+def speed_rows(fa4_jax, jax, jnp, head_dim: int, causal: bool, seqlens, time_per_call) -> list[tuple]:
+    """(seqlen, ours TFLOP/s, cuDNN TFLOP/s or None) of bf16 prefill at 16k tokens per call."""
+    out = []
+    for s in seqlens:
+        b, h = max(1, 16384 // s), 2048 // head_dim
+        keys = jax.random.split(jax.random.key(s + head_dim), 3)
+        q, k, v = (jax.random.normal(kk, (b, s, h, head_dim), jnp.float32).astype(jnp.bfloat16) for kk in keys)
+        flops = 4.0 * b * h * s * s * head_dim / (2 if causal else 1)
+        tp = dict(batches=5, target_batch_s=0.05)
+        ours = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=causal, implementation="fa4"))
+        t_ours = time_per_call(ours, [(q, k, v)], **tp)
+        try:
+            cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                                         implementation="cudnn"))
+            t_cudnn = time_per_call(cudnn, [(q, k, v)], **tp)
+        except Exception:  # noqa: BLE001 - cuDNN may not serve the shape (e.g. head_dim 256)
+            t_cudnn = None
+        out.append((s, flops / t_ours / 1e12, None if t_cudnn is None else flops / t_cudnn / 1e12))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--any-arch", action="store_true", help="check the kernels of whatever GPU this is")
+    ap.add_argument("--quick", action="store_true", help="one shape per variant, two timed sequence lengths")
+    ap.add_argument("--json", default=None, help="write every result here too")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    import fa4_jax
+    from benchmark import time_per_call
+    from fa4_jax.core import library, platform
+    from fa4_jax.families import VALIDATED_ARCHES, FwdVariant
+
+    device = jax.devices()[0]
+    arch = platform.device_arch(device) if device.platform == "gpu" else None
+    if arch != "sm100" and not args.any_arch:
+        print(f"validate_sm100: this is {device.device_kind} ({device.platform}, arch {arch}), not a Blackwell "
+              "(sm_100) GPU; run it on a B200, or pass --any-arch to check the kernels this GPU runs",
+              file=sys.stderr)
+        return 2
+    # (type, not isinstance: the KV-cache and varlen variants subclass the dense one.)
+    variants = sorted((v for v in library.compiled_variants() if type(v) is FwdVariant and v.arch == arch),
+                      key=lambda v: v.symbol)
+    if not variants:
+        print(f"validate_sm100: the kernel library holds no dense variant for {arch}: {library.library_status()}",
+              file=sys.stderr)
+        return 1
+    print(f"{device.device_kind}, arch {arch} ({'validated' if arch in VALIDATED_ARCHES else 'opt-in'}), "
+          f"{len(variants)} dense variants, jax {jax.__version__}")
+
+    shapes = [(2, 333, 333, 8, 2)] if args.quick else [(2, 333, 333, 8, 2), (1, 77, 1000, 4, 4), (3, 1, 517, 8, 1)]
+    failures = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time "not yet validated" warning of the opt-in kernels
+        for i, variant in enumerate(variants):
+            failures[variant.symbol] = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
+            status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
+            print(f"  {variant.symbol:<44} {status}", flush=True)
+
+        seqlens = (1024, 8192) if args.quick else (1024, 4096, 8192, 16384)
+        speeds = {}
+        for hd in sorted({v.head_dim for v in variants if v.dtype == "bf16" and not v.softcap}):
+            for causal in (False, True):
+                mask = "causal" if causal else "full"
+                if not any(v.head_dim == hd and v.mask == mask and v.dtype == "bf16" and not v.softcap
+                           for v in variants) or failures.get(FwdVariant(arch, "bf16", hd, mask, False).symbol):
+                    continue
+                speeds[(hd, mask)] = speed_rows(fa4_jax, jax, jnp, hd, causal, seqlens, time_per_call)
+
+    print("\nbf16 prefill, 16k tokens per call, TFLOP/s ours / cuDNN:")
+    for (hd, mask), rows in speeds.items():
+        cells = "  ".join(f"{s // 1024}k {o:5.0f} / {'  -  ' if c is None else f'{c:5.0f}'}" for s, o, c in rows)
+        print(f"  hd{hd:<4} {mask:<7} {cells}")
+
+    print("\nverdict per configuration (every dtype's variant must pass):")
+    configs = sorted({(v.head_dim, v.mask, v.softcap) for v in variants})
+    verdicts = {}
+    for hd, mask, softcap in configs:
+        fails = [f for v in variants if (v.head_dim, v.mask, v.softcap) == (hd, mask, softcap)
+                 for f in failures[v.symbol]]
+        ratios = [o / c for _, o, c in speeds.get((hd, mask), ()) if c] if not softcap else []
+        verdicts[f"hd{hd}_{mask}{'_softcap' if softcap else ''}"] = verdict(fails, ratios)
+    for name, text in verdicts.items():
+        print(f"  {name:<22} {text}")
+    bad = [s for s, f in failures.items() if f]
+    print(f"\n{len(variants) - len(bad)} of {len(variants)} variants correct. "
+          + ("Switching on means adding the architecture to VALIDATED_ARCHES (fa4_jax/families/base.py) and "
+             "rebuilding; record this screen in the commit." if arch not in VALIDATED_ARCHES else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.device_kind, "arch": arch, "failures": failures, "verdicts": verdicts,
+                       "speeds": {f"hd{hd}_{m}": r for (hd, m), r in speeds.items()}}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
