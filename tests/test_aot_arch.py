@@ -11,9 +11,9 @@ from fa4_jax.aot import worker
 
 def test_symbols_are_grouped_by_architecture_in_menu_order():
     symbols = ["fa4_fwd_sm90_bf16_hd128_causal", "fa4_fwd_sm100_bf16_hd128_causal",
-               "fa4_kvcache_sm90_bf16_hd64_full", "fa4_varlen_sm100_fp16_hd256_local"]
+               "fa4_kvcache_sm90_bf16_hd64_local", "fa4_varlen_sm100_fp16_hd256_local"]
     assert worker.by_arch(symbols) == {
-        "sm_90a": ["fa4_fwd_sm90_bf16_hd128_causal", "fa4_kvcache_sm90_bf16_hd64_full"],
+        "sm_90a": ["fa4_fwd_sm90_bf16_hd128_causal", "fa4_kvcache_sm90_bf16_hd64_local"],
         "sm_100a": ["fa4_fwd_sm100_bf16_hd128_causal", "fa4_varlen_sm100_fp16_hd256_local"],
     }
 

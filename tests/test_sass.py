@@ -19,7 +19,7 @@ import pytest
 from fa4_jax.aot import sass
 
 ROOT = Path(__file__).resolve().parents[1]
-HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_causal"
+HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local"
 SM100_SYMBOL = "fa4_fwd_sm100_bf16_hd128_causal"  # the first SM100 attention kernel (fwd_sm100.py)
 
 
