@@ -122,7 +122,7 @@ def test_arch_specific_suffix_comes_from_nv_compat(sm90_obj):
     cuobjdump and nvdisasm read the `a` from) must turn the reading into plain sm_90."""
     (elf,) = sass.embedded_cubins(sm90_obj)
     assert sass.elf_arch(elf) == "sm_90a"
-    (off, size), = [(o, s) for name, _t, o, s in sass._section_headers(elf) if name == ".nv.compat"]
+    (off, size), = [(o, s) for name, _t, o, s in sass.section_headers(elf) if name == ".nv.compat"]
     at = elf.find(b"\x02\x09\x01", off, off + size)
     assert at >= 0 and (at - off) % 4 == 0, elf[off:off + size].hex()
     patched = bytearray(elf)

@@ -19,13 +19,19 @@ EIATTR_REGCOUNT, EIATTR_FRAME_SIZE = 0x2F, 0x12
 EM_CUDA = 190
 
 
-def _sections(elf: bytes):
+def section_headers(elf: bytes):
+    """(name, type, offset, size) of each section of an ELF64 (also used by sass.py)."""
     shoff = struct.unpack_from("<Q", elf, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
     headers = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
     strtab = headers[shstrndx][4]
-    for name, _type, _flags, _addr, off, size in headers:
-        yield elf[strtab + name:elf.index(b"\0", strtab + name)].decode(), off, size
+    for name, typ, _flags, _addr, off, size in headers:
+        yield elf[strtab + name:elf.index(b"\0", strtab + name)].decode(), typ, off, size
+
+
+def _sections(elf: bytes):
+    for name, _type, off, size in section_headers(elf):
+        yield name, off, size
 
 
 def _symbol_names(elf: bytes) -> dict[int, str]:

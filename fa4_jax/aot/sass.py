@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from fa4_jax.aot.cubin import EM_CUDA
+from fa4_jax.aot.cubin import EM_CUDA, section_headers
 
 PIP_HINT = "pip install nvidia-cuda-nvdisasm"
 _SHT_NOBITS = 8
@@ -90,23 +90,13 @@ def _require_nvdisasm() -> str:
     return found
 
 
-def _section_headers(elf: bytes):
-    """(name, type, offset, size) of each section of an ELF64."""
-    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
-    strtab = headers[shstrndx][4]
-    for name, typ, _flags, _addr, off, size in headers:
-        yield elf[strtab + name:elf.index(b"\0", strtab + name)].decode(), typ, off, size
-
-
 def _elf_end(elf: bytes) -> int:
     # The section table need not be last: the cubin ends wherever its furthest header table or
     # section payload does (the object's own bytes follow it).
     shoff, phoff = struct.unpack_from("<Q", elf, 0x28)[0], struct.unpack_from("<Q", elf, 0x20)[0]
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", elf, 0x36)
     end = max(0x40, shoff + shentsize * shnum, phoff + phentsize * phnum)
-    for _name, typ, off, size in _section_headers(elf):
+    for _name, typ, off, size in section_headers(elf):
         if typ != _SHT_NOBITS:
             end = max(end, off + size)
     return end
@@ -155,7 +145,7 @@ def elf_arch(elf: bytes) -> str:
     flags = struct.unpack_from("<I", elf, 0x30)[0]
     if elf[8] >= 8:  # EI_ABIVERSION: CUDA 12.8+ moved the SM number up a byte
         sm = (flags >> 8) & 0xFF
-        compat = next((_compat_attrs(elf, off, size) for name, _t, off, size in _section_headers(elf)
+        compat = next((_compat_attrs(elf, off, size) for name, _t, off, size in section_headers(elf)
                        if name == ".nv.compat"), {})
         accel = compat.get(_COMPAT_ARCH_SPECIFIC) == 1 or bool(flags & _EF_CUDA_ACCELERATORS)
     else:
