@@ -112,9 +112,16 @@ def _kvcache(path: str, *, lens, s_q, capacity=1000, h_q=16, h_k=4, d=128, seed=
         kp, vp = k.copy(), v.copy()
         kp[hidden], vp[hidden] = poison, poison
         poisoned = compiled(q, jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16), jnp.asarray(lens))
-        for name, a, p in zip(("o", "lse"), ours, poisoned):
+        # Not bitwise, unlike our kernels (test_gpu_isolation.py): cuDNN's split decode reduces its
+        # partial LSEs in an order that depends on timing. Measured on the H200 (one program, 400 calls
+        # while another process loaded the GPU): two distinct results, o identical, lse 1 float32 ulp
+        # apart; 200 calls on an idle GPU: one result. So the poisoned call is held to the clean one
+        # up to that -- same finiteness, o within a bf16 ulp, lse within 4 float32 ulps -- which a
+        # leak of NaN/Inf or of a hidden key would break by far.
+        for name, a, p, rtol in zip(("o", "lse"), ours, poisoned, (2.0 ** -7, 2.0 ** -21)):
             a, p = np.asarray(a, np.float32), np.asarray(p, np.float32)
-            assert np.array_equal(a, p), f"{what}: {name} changed by {poison} past the lengths"
+            assert np.array_equal(np.isfinite(a), np.isfinite(p)), f"{what}: {name} changed by {poison} past the lengths"
+            np.testing.assert_allclose(p, a, rtol=rtol, atol=0, err_msg=f"{what}: {name} changed by {poison} past the lengths")
 
 
 def test_kvcache_decode_auto_is_cudnn(no_kernels):
