@@ -126,7 +126,9 @@ def family_abi_digest(family) -> str:
 def fingerprint(variant, family, sources_digest: str, dsl_version: str) -> str:
     key = json.dumps(
         {"variant": repr(variant), "abi": family_abi_digest(family), "kernels": sources_digest,
-         "cutlass_dsl": dsl_version},
+         "cutlass_dsl": dsl_version,
+         # Diagnostic builds compile other code from the same sources (kernels/phase_times.py).
+         "phase_times": os.environ.get("FA4_JAX_PHASE_TIMES", "")},
         sort_keys=True,
     )
     return hashlib.sha256(key.encode()).hexdigest()

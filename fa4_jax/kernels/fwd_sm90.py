@@ -69,6 +69,7 @@ from fa4_jax.kernels.config import Sm90FwdConfig
 from fa4_jax.kernels.loaders_sm90 import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders_sm90 import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
+from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -90,6 +91,9 @@ class FlashAttentionForwardSm90:
         self.softcap = softcap
         self.seams = FwdSeams.dense() if seams is None else seams
         self.page_rows = page_rows  # paged K/V: rows per piece (loaders_sm90.PAGE_ROWS_CHOICES)
+        # Per-CTA phase timestamps for tools/decode_phases.py: KV-cache kernels built with
+        # FA4_JAX_PHASE_TIMES=1 only (phase_times.py).
+        self.stamps = phase_times.Stamps(phase_times.ENABLED and self.seams.seqlens is Seqlens.CACHE)
         # One-row pieces: the producer warpgroup gathers K/V rows with cp.async (KVLoader), since one
         # TMA box per 256-byte row is issue-bound (measured: 0.5 TB/s at page size 1).
         self.kv_gather = self.seams.kv_load is KVLoad.PAGED and page_rows == 1
@@ -304,6 +308,7 @@ class FlashAttentionForwardSm90:
             fields["sO"] = smem(sO_size)
         if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
             fields["merge_flag"] = cute.struct.MemRange[Int32, 1]  # epi.merge_splits_if_last's verdict
+        fields.update(phase_times.smem_fields(self.stamps.on))
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def make_tiled_mmas(self, dtype, num_wg: int):
@@ -401,6 +406,7 @@ class FlashAttentionForwardSm90:
         pipe_k.producer_acquire(state)
         copy_k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state), k_page, k_within)
         pipe_k.producer_commit(state)
+        self.stamps.producer_at(phase_times.FIRST_K_ISSUED)
         v_page, v_within = k_page, k_within
         if const_expr(copy_q is not None):
             pipe_q.producer_acquire(q_state)
@@ -472,6 +478,7 @@ class FlashAttentionForwardSm90:
                     cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        self.stamps.start(storage)
         pipe_q, pipe_k, pipe_v = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -551,6 +558,7 @@ class FlashAttentionForwardSm90:
             heads_per_kv = mQ.shape[2] // mK.shape[2]  # GQA/MQA: q heads share kv heads in groups
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        self.stamps.begin_producer()
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -567,6 +575,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.kv_gather):
             # This thread's last copies must land before it exits (their barrier arrives are pending).
             cute.arch.cp_async_wait_group(0)
+        self.stamps.end_producer()
 
     @cute.jit
     def load_tile(self, mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
@@ -605,6 +614,7 @@ class FlashAttentionForwardSm90:
                 scheduler: StaticPersistentTileScheduler, problem: TileProblem, sMergeFlag=None):
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - 128
+        self.stamps.begin_consumer()
         wg = 0  # one consumer warpgroup: a compile-time 0
         if const_expr(cfg.num_consumer_wg > 1):
             wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -657,6 +667,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
             # The fused combine runs after the CTA's tiles (one per CTA in a split launch), where
             # nothing of the mainloop is live: in the epilogue it made causal softcap spill.
+            self.stamps.consumer_at(phase_times.MERGE_START)
             if problem.fused_combine():
                 tile_idx = scheduler.first()
                 while tile_idx < num_tiles:
@@ -664,6 +675,8 @@ class FlashAttentionForwardSm90:
                     epi.merge_splits_if_last(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work,
                                              problem.seqlen(work.batch), problem)
                     tile_idx = scheduler.next(tile_idx)
+            if const_expr(self.stamps.on):
+                self.stamps.end_consumer(tidx, sMergeFlag[0] if problem.fused_combine() else Int32(0))
 
     @cute.jit
     def consume_tile(self, work, seqlen: SeqlenInfo, state, q_state, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks,
@@ -685,10 +698,12 @@ class FlashAttentionForwardSm90:
                 pipe_q.consumer_wait(q_state)
             else:
                 gather_packed_q(cfg, mQ, sQ, tile.tidx, work, seqlen, problem)
+            self.stamps.consumer_at(phase_times.Q_READY)
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                   s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS),
                                   softmax, softcap_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
                                   dtype, sV, tile.tidx)
+            self.stamps.consumer_at(phase_times.MAINLOOP_END)
             if const_expr(seams.q_load is QLoad.TMA):
                 if const_expr(seams.epilogue is not Epilogue.TMA_STORE and not cfg.separate_o):
                     # The mainloop keeps Q when O would reuse its buffer; this epilogue stores O
@@ -711,6 +726,7 @@ class FlashAttentionForwardSm90:
         else:
             epi.split_store(cfg, acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, mOaccum, mLSEaccum, work, seqlen,
                             problem)
+            self.stamps.consumer_at(phase_times.STORED)
         return state, q_state
 
     @cute.jit
@@ -726,6 +742,7 @@ class FlashAttentionForwardSm90:
         # First block (highest index): S only; its PV gemm is issued in the next step.
         n_block = n_block_max - 1
         self._kv_wait(pipe_k, state)
+        self.stamps.consumer_at(phase_times.FIRST_K)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=0)
         pipe_k.consumer_release(state)
