@@ -1,8 +1,9 @@
 """Shared pytest setup: the `gpu` and `kernel_family` markers, when GPU tests run, skip or fail, and the
 end-of-run count of kernel cases.
 
-Tests marked `@pytest.mark.gpu` need a CUDA GPU of compute capability 9.x (Hopper) visible to jax: the
-only architecture the shipped kernels are built for. Without a GPU they are skipped with a reason that
+Tests marked `@pytest.mark.gpu` need a CUDA GPU that the shipped kernels are built for visible to jax:
+compute capability 9.x (Hopper), or 10.x (Blackwell, whose kernels are opt-in until a run validates them;
+the tests name their variants with the GPU's architecture, gpu_menu.device_arch). Without a GPU they are skipped with a reason that
 says what was found, so a CPU-only CI run stays green and fast. On a GPU host a broken setup fails
 them instead (tests/gpu_menu.py says exactly when).
 
@@ -19,7 +20,8 @@ import pytest
 
 import gpu_menu
 
-GPU_MARKER = "gpu: needs a CUDA GPU of compute capability 9.x (Hopper) visible to jax; skipped elsewhere"
+GPU_MARKER = ("gpu: needs a CUDA GPU the kernels are built for (9.x Hopper, 10.x Blackwell) visible to jax; "
+              "skipped elsewhere")
 FAMILY_MARKER = ("kernel_family(*names): the kernel families (fa4_jax.families: fwd, kvcache, varlen) a gpu test "
                  "runs, counted in the end-of-run summary; no names: none")
 FAMILY_PROPERTY = "fa4_kernel_families"  # user_properties key: travels with every report, also from xdist workers

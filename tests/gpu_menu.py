@@ -4,13 +4,18 @@ A GPU run must not go green on a broken setup. On a GPU host (an NVIDIA GPU is p
 exists or `nvidia-smi -L` lists one), or anywhere with FA4_JAX_REQUIRE_GPU=1,
 - jax without a working GPU backend (jax.devices("gpu") raises: a CPU-only jaxlib, a CUDA plugin that
   failed to initialise) fails every `gpu` test;
-- with FA4_JAX_REQUIRE_GPU=1, a GPU the kernels are not built for (not Hopper) fails them too (on a
-  plain GPU host it skips them: nothing there can run the kernels);
+- with FA4_JAX_REQUIRE_GPU=1, a GPU the kernels are not built for (neither Hopper nor Blackwell) fails
+  them too (on a plain GPU host it skips them: nothing there can run the kernels);
 - a missing or empty kernel library fails every test that needs a kernel (`kernel_variants`);
 - a variant of the default menu missing from the library fails the test that needs it
   (`require_variant`), unless the library was built from an explicitly narrowed menu (FA4_JAX_VARIANTS
-  at build time, recorded in the library's fa4_menu.json), which is the one reason a kernel case may
-  skip; the skip reason names the narrowing.
+  at build time, recorded in the library's fa4_menu.json), or the GPU's architecture has no kernels of
+  that family at all (Blackwell: dense only, so far) -- the two reasons a kernel case may skip; the
+  skip reason names which.
+
+GPU tests name the variants they need with `device_arch()` (the GPU's kernel architecture), so the
+same tests run on Hopper and on Blackwell; `validated()` says whether implementation=None may pick
+the kernels there (fa4_jax.families.VALIDATED_ARCHES).
 Without a GPU (a CPU-only CI host) every `gpu` test skips with what was found.
 """
 
@@ -109,8 +114,13 @@ def require_variant(built, variant) -> None:
     """Returns when the library has `variant`; skips only when a narrowed menu left it out; fails otherwise."""
     if variant in built:
         return
-    from fa4_jax.families import MENU_ENV, default_menu, menu_from_env
+    from fa4_jax.families import MENU_ENV, default_menu, family_of, menu_from_env
 
+    family = family_of(variant)
+    if not any(v.arch == variant.arch and family_of(v) is family for v in default_menu()):
+        # The device's architecture has no kernels of this family yet (issue 16: Blackwell has the dense
+        # family only); the call would take cuDNN or the reference, which the cuDNN tests cover.
+        pytest.skip(f"no {family.name} kernels for {variant.arch} in the default menu yet: {variant.symbol}")
     if variant not in default_menu():
         pytest.fail(f"{variant.symbol} is not in the default menu: the test asks for a kernel no build has",
                     pytrace=False)
@@ -122,3 +132,25 @@ def require_variant(built, variant) -> None:
         pytest.fail(f"the kernel library lacks {variant.symbol} although its narrowed menu {MENU_ENV}={spec!r} "
                     f"({where}) has it: a broken build", pytrace=False)
     pytest.skip(f"narrowed menu: {variant.symbol} not built ({MENU_ENV}={spec!r}, {where})")
+
+
+@functools.cache
+def device_arch() -> str:
+    """The kernel architecture ("sm90", "sm100") of the GPU the tests run on: the arch of the variants
+    a GPU test asks for."""
+    import jax
+
+    from fa4_jax.core import platform as _platform
+
+    arch = _platform.device_arch(jax.devices("gpu")[0])
+    if arch is None:
+        pytest.fail(f"no kernel architecture for {jax.devices('gpu')[0].device_kind}", pytrace=False)
+    return arch
+
+
+def validated() -> bool:
+    """Whether implementation=None picks the kernels on this GPU (validated on hardware); elsewhere only
+    implementation="fa4" runs them (opt-in, with a warning)."""
+    from fa4_jax.families import VALIDATED_ARCHES
+
+    return device_arch() in VALIDATED_ARCHES

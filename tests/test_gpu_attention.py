@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import fa4_jax
 from fa4_jax.families import FWD, FwdVariant, default_menu, mask_kind
 from accuracy import check_against_reference, poison_allocator as _poison_allocator
-from gpu_menu import require_variant
+from gpu_menu import device_arch, require_variant, validated
 from oracle import attention_oracle, visible_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("fwd")]
@@ -62,7 +62,7 @@ def built_variants(kernel_variants) -> frozenset:
 def _variant(dtype_name: str, head_dim: int, causal: bool, window_size=(-1, -1), softcap=0.0) -> FwdVariant:
     left, right = window_size
     right = 0 if causal else right
-    return FwdVariant("sm90", dtype_name, head_dim, mask_kind(left, right), softcap > 0)
+    return FwdVariant(device_arch(), dtype_name, head_dim, mask_kind(left, right), softcap > 0)
 
 
 def _require(built_variants, dtype_name, head_dim, causal, window_size=(-1, -1), softcap=0.0):
@@ -220,10 +220,16 @@ def test_rows_without_keys(built_variants, s_q, s_k):
 
 
 def test_default_implementation_is_fa4(built_variants):
-    """implementation=None on a Hopper GPU with the variant built must be the kernel, bit for bit."""
+    """implementation=None on a GPU whose kernels are validated (Hopper) with the variant built must be the
+    kernel, bit for bit; where they are opt-in (Blackwell until a run validates them, issue 16) it must
+    not be."""
     _require(built_variants, "bf16", 128, False)
     q, k, v = _inputs(11, 1, 256, 256, 4, 4, 128, jnp.bfloat16)
-    default = jax.jit(functools.partial(fa4_jax.attention, return_lse=True))(q, k, v)
+    auto = jax.jit(functools.partial(fa4_jax.attention, return_lse=True))
+    if not validated():
+        assert FWD.target not in auto.lower(q, k, v).compile().as_text(), "an unvalidated kernel ran by default"
+        return
+    default = auto(q, k, v)
     fa4 = jax.jit(functools.partial(fa4_jax.attention, return_lse=True, implementation="fa4"))(q, k, v)
     # The forward kernel has no split-KV reduction, so it is deterministic: equality, not closeness.
     for a, b in zip(default, fa4):
@@ -321,7 +327,7 @@ def _raw_ffi_call(q, k, v, sinks=None, *, lse_shape=None, softmax_scale=0.125, s
 def _assert_still_healthy(built_variants):
     # After an FFI error the CUDA context must still work: a normal call of any built variant must run
     # and be right (a sticky CUDA error would poison every later call in the process).
-    var = min((v for v in built_variants if v.arch == "sm90"), key=lambda v: v.symbol)
+    var = min((v for v in built_variants if v.arch == device_arch()), key=lambda v: v.symbol)
     run_case(built_variants, dtype_name=var.dtype, head_dim=var.head_dim, causal=var.mask == "causal",
              window_size=(64, 16) if var.mask == "local" else (-1, -1), softcap=5.0 if var.softcap else 0.0,
              b=1, s_q=130, s_k=130, h_q=2, h_k=2)
@@ -329,7 +335,7 @@ def _assert_still_healthy(built_variants):
 
 @pytest.mark.parametrize(
     "head_dim,dtype,message",
-    [(32, jnp.bfloat16, r"no kernel for arch=sm90, dtype=bf16, head_dim=32, mask=full, softcap=false on device \d"),
+    [(32, jnp.bfloat16, r"no kernel for arch=ARCH, dtype=bf16, head_dim=32, mask=full, softcap=false on device \d"),
      (128, jnp.float32, r"q must be bfloat16 or float16")],
     ids=["hd32", "f32"],
 )
@@ -337,6 +343,7 @@ def test_ffi_error_is_python_exception(built_variants, head_dim, dtype, message)
     """A variant no build can contain (head_dim 32, fp32) -> the handler's ffi::Error -> a Python exception
     that carries the handler's message (not a crash, not silent garbage)."""
     q, k, v = _inputs(29, 1, 64, 64, 2, 2, head_dim, dtype)
+    message = message.replace("ARCH", device_arch())  # the GPU's architecture, named by the handler
     with pytest.raises(jax.errors.JaxRuntimeError, match=FWD.target + ": " + message):
         jax.block_until_ready(jax.jit(_raw_ffi_call)(q, k, v))
     _assert_still_healthy(built_variants)
@@ -378,10 +385,10 @@ def test_missing_variant_raises(built_variants, monkeypatch):
     without one variant (the FFI-level error path is test_ffi_error_is_python_exception's)."""
     from fa4_jax.core import library as _ffi
 
-    missing = [v for v in default_menu() if v.arch == "sm90" and v not in built_variants]
+    missing = [v for v in default_menu() if v.arch == device_arch() and v not in built_variants]
     narrowed = bool(missing)
     if not narrowed:
-        missing = [FwdVariant("sm90", "fp16", 192, "local", True)]
+        missing = [FwdVariant(device_arch(), "fp16", 192, "local", True)]
         monkeypatch.setattr(_ffi, "compiled_variants", lambda: built_variants - frozenset(missing))
     var = missing[0]
     dtype = DTYPES[var.dtype]

@@ -19,7 +19,7 @@ import fa4_jax
 from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import KVCacheVariant
 from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for, tile_m_for
-from gpu_menu import require_variant
+from gpu_menu import device_arch, require_variant
 from oracle import OPTION_CASES, attention_oracle, make_sinks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("kvcache")]
@@ -84,7 +84,7 @@ def built(kernel_variants):
 def _require(built, dtype, hd, opts, paged, page_size=None, rows=1):
     """The variant the call needs: `rows` = seqlen_q x q-heads per KV head picks the query tile (one
     mask kind, spec.MASK, serves every window)."""
-    require_variant(built, KVCacheVariant("sm90", dtype, hd, MASK, opts.get("softcap", 0.0) > 0,
+    require_variant(built, KVCacheVariant(device_arch(), dtype, hd, MASK, opts.get("softcap", 0.0) > 0,
                                           paged, tile_m_for(rows),
                                           page_rows_for(page_size) if paged and page_size else PAGE_ROWS))
 

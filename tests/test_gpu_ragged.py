@@ -16,7 +16,7 @@ import fa4_jax
 from accuracy import check_against_reference
 from fa4_jax.families import KVCacheVariant
 from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for, tile_m_for
-from gpu_menu import require_variant
+from gpu_menu import device_arch, require_variant
 from oracle import OPTION_CASES, attention_oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("kvcache")]
@@ -55,7 +55,7 @@ def _case(seed, page_size, lens_counts=MIXED, hd=HD):
 
 def _variant(page_size, opts, max_rows, hd=HD):
     softcap = opts.get("softcap", 0.0) > 0
-    return KVCacheVariant("sm90", "bf16", hd, MASK, softcap, page_size is not None,
+    return KVCacheVariant(device_arch(), "bf16", hd, MASK, softcap, page_size is not None,
                           tile_m_for(max_rows * (H_Q // H_K)), page_rows_for(page_size) if page_size else PAGE_ROWS)
 
 
@@ -109,7 +109,7 @@ def test_ragged_head_dims(kernel_variants, hd, page_size):
 def test_ragged_kernel_is_one_launch_reading_pages_in_place(kernel_variants):
     """The kernel path must not gather the pool: one custom call on the pool as given, no gather of
     K/V values (the lowering's tile list gathers int32 indices only, ops/kvcache/tiles.py)."""
-    require_variant(kernel_variants, KVCacheVariant("sm90", "bf16", HD, MASK, False, True, 128))
+    require_variant(kernel_variants, KVCacheVariant(device_arch(), "bf16", HD, MASK, False, True, 128))
     q, k, v, lens, cu, table, _ = _case(7, 16)
     fn = jax.jit(lambda *a: fa4_jax.attention_with_kvcache(*a[:4], cu_seqlens_q=a[4], page_table=a[5], causal=True,
                                                            max_seqlen_q=512, implementation="fa4"))

@@ -16,7 +16,7 @@ import pytest
 import fa4_jax
 from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import FwdVariant, VarlenVariant, mask_kind
-from gpu_menu import require_variant
+from gpu_menu import device_arch, require_variant
 from oracle import OPTION_CASES, attention_oracle, make_sinks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("varlen")]
@@ -31,7 +31,7 @@ def _require(built, dtype, hd, opts):
     left, right = opts.get("window_size", (-1, -1))
     if opts.get("causal"):
         right = 0 if right < 0 else right
-    require_variant(built, VarlenVariant("sm90", dtype, hd, mask_kind(left, right), opts.get("softcap", 0.0) > 0))
+    require_variant(built, VarlenVariant(device_arch(), dtype, hd, mask_kind(left, right), opts.get("softcap", 0.0) > 0))
 
 
 def offsets(lengths):
@@ -126,7 +126,7 @@ def test_varlen_equal_lengths_match_dense(built):
     """Equal lengths: the varlen kernel on the packed rows and the dense kernel on the (batch, seqlen)
     view are both the same attention: each against the oracle by the accuracy rule."""
     _require(built, "bf16", 128, dict(causal=True))
-    require_variant(built, FwdVariant("sm90", "bf16", 128, "causal", False))
+    require_variant(built, FwdVariant(device_arch(), "bf16", 128, "causal", False))
     b, s, h, d = 4, 384, 8, 128
     ks = jax.random.split(jax.random.key(5), 3)
     q, k, v = (jax.random.normal(x, (b * s, h, d), jnp.float32).astype(jnp.bfloat16) for x in ks)

@@ -45,10 +45,12 @@ def no_gpu_backend(platform=None):
         ("an NVIDIA GPU is present (/dev/nvidia0)", "", no_gpu_backend, "fail"),  # broken CUDA plugin
         (None, "1", no_gpu_backend, "fail"),  # FA4_JAX_REQUIRE_GPU=1 anywhere
         ("an NVIDIA GPU is present (/dev/nvidia0)", "", lambda p=None: [fake_gpu("9.0")], "run"),
+        ("an NVIDIA GPU is present (/dev/nvidia0)", "", lambda p=None: [fake_gpu("10.0")], "run"),  # opt-in kernels
         ("an NVIDIA GPU is present (/dev/nvidia0)", "", lambda p=None: [fake_gpu("8.0")], "skip"),  # not Hopper
         (None, "1", lambda p=None: [fake_gpu("8.0")], "fail"),
     ],
-    ids=["cpu_host", "gpu_host_broken_backend", "required_no_backend", "hopper", "ampere", "required_ampere"],
+    ids=["cpu_host", "gpu_host_broken_backend", "required_no_backend", "hopper", "blackwell", "ampere",
+         "required_ampere"],
 )
 def test_gpu_status(monkeypatch, host, require, devices, want):
     monkeypatch.setenv(gpu_menu.REQUIRE_ENV, require)
@@ -109,10 +111,32 @@ def test_narrowed_menu_fails_for_what_it_should_have(monkeypatch):
         gpu_menu.require_variant(frozenset([HAVE]), LACK)
 
 
-def test_variant_outside_the_default_menu_fails():
-    with pytest.raises(pytest.fail.Exception, match=r"not in the default menu"):
-        # (SM100 has dense kernels only, so far: its KV-cache variants are outside the menu.)
+def test_variant_outside_the_default_menu_fails(monkeypatch):
+    import fa4_jax.families as families
+
+    menu = tuple(v for v in families.default_menu() if v != LACK)
+    monkeypatch.setattr(families, "default_menu", lambda: menu)
+    with pytest.raises(pytest.fail.Exception, match=rf"{LACK.symbol} is not in the default menu"):
+        gpu_menu.require_variant(frozenset([HAVE]), LACK)
+
+
+def test_a_family_without_kernels_for_the_gpus_arch_skips():
+    # SM100 has dense kernels only, so far (issue 16): a KV-cache case on a Blackwell GPU skips, naming why.
+    with pytest.raises(pytest.skip.Exception, match=r"no kvcache kernels for sm100 in the default menu yet: "
+                                                    r"fa4_kvcache_sm100_bf16_hd128_local"):
         gpu_menu.require_variant(frozenset([HAVE]), KVCacheVariant("sm100", "bf16", 128, "local", False))
+
+
+@pytest.mark.parametrize("capability,arch,validated", [("9.0", "sm90", True), ("10.0", "sm100", False)])
+def test_gpu_tests_name_the_devices_arch(monkeypatch, capability, arch, validated):
+    # The GPU tests ask for variants of the GPU's own architecture, and know whether implementation=None
+    # picks the kernels there (Blackwell's are opt-in until a run validates them).
+    gpu_menu.device_arch.cache_clear()
+    monkeypatch.setattr(jax, "devices", lambda platform=None: [fake_gpu(capability)])
+    try:
+        assert (gpu_menu.device_arch(), gpu_menu.validated()) == (arch, validated)
+    finally:
+        gpu_menu.device_arch.cache_clear()
 
 
 def test_library_menu_reads_the_menu_file(monkeypatch, tmp_path):
