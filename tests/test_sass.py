@@ -20,7 +20,9 @@ from fa4_jax.aot import sass
 
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local"
-SM100_SYMBOL = "fa4_fwd_sm100_bf16_hd128_causal"  # the first SM100 attention kernel (fwd_sm100.py)
+# The SM100 attention kernels (fwd_sm100.py): dense, and varlen (the same kernel at per-sequence
+# offsets, whose MMA warp also zeroes V rows past a sequence's last key).
+SM100_SYMBOLS = ("fa4_fwd_sm100_bf16_hd128_causal", "fa4_varlen_sm100_bf16_hd128_causal")
 
 
 def _nvdisasm() -> str:
@@ -68,9 +70,9 @@ def sm90_obj(tmp_path_factory) -> Path:
     return _compile_one(tmp_path_factory, HOPPER_SYMBOL)
 
 
-@pytest.fixture(scope="module")
-def sm100_attention_obj(tmp_path_factory) -> Path:
-    return _compile_one(tmp_path_factory, SM100_SYMBOL)
+@pytest.fixture(scope="module", params=SM100_SYMBOLS)
+def sm100_attention_obj(request, tmp_path_factory) -> Path:
+    return _compile_one(tmp_path_factory, request.param)
 
 
 def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):

@@ -197,7 +197,8 @@ def test_opt_in_cells():
         entry = support._entry(c["entry_point"])
         v = entry.variant(c["device"], c["dtype"], c["head_dim"], c["mask"], c["softcap"], c["seqlens"], c["page_size"])
         assert c["opt_in"] == (v.symbol in menu), c
-    assert {c["entry_point"] for c in cells if c["opt_in"]} == {"attention"}
+    # Dense and varlen have SM100 kernels; the KV-cache family has none yet (issue 16).
+    assert {c["entry_point"] for c in cells if c["opt_in"]} == {"attention", "attention_varlen"}
 
 
 def test_cpu_cells_are_the_reference(default_menu_library):

@@ -48,3 +48,41 @@ def test_verdicts():
 def test_refuses_a_machine_that_is_not_blackwell(capsys):
     assert tool.main([]) == 2
     assert "not a Blackwell (sm_100) GPU; run it on a B200, or pass --any-arch" in capsys.readouterr().err
+
+
+class _Impl:
+    """fa4_jax with attention_varlen pinned to `implementation` (the reference, on this host)."""
+
+    def __init__(self, fn):
+        self.attention_varlen = fn
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+def test_varlen_check_passes_a_correct_implementation(mask):
+    # The library's own reference stands in for the kernel: it is exact and isolates the sequences,
+    # so the checker must find nothing (a first run on a B200 cannot fail a correct kernel).
+    from fa4_jax.families import VarlenVariant
+
+    ref = _Impl(lambda *a, implementation=None, **kw: fa4_jax.attention_varlen(*a, implementation="xla", **kw))
+    variant = VarlenVariant("sm100", "bf16", 64, mask, True)
+    assert tool.check_varlen_variant(ref, jax, jnp, variant, seed=3) == []
+
+
+def test_varlen_check_catches_a_leak_and_padding():
+    # An implementation whose sequences see each other's keys (one sequence over the whole packed
+    # batch), and which leaves the padding rows alone: each finding is reported.
+    from fa4_jax.families import VarlenVariant
+
+    def leaky(q, k, v, cu_q, cu_k, *, max_seqlen_q=None, implementation=None, **kw):
+        total = k.shape[0]
+        whole = jnp.asarray([0, total], jnp.int32)
+        o, lse = fa4_jax.attention_varlen(q[:total], k, v, whole, whole, implementation="xla", **kw)
+        pad = q.shape[0] - total
+        return (jnp.concatenate([o, jnp.ones((pad, *o.shape[1:]), o.dtype)]),
+                jnp.concatenate([lse, jnp.zeros((lse.shape[0], pad), lse.dtype)], axis=1))
+
+    failures = tool.check_varlen_variant(_Impl(leaky), jax, jnp, VarlenVariant("sm100", "bf16", 64, "full", False),
+                                         seed=4)
+    assert any("output error" in f for f in failures), failures
+    assert "varlen: padding rows past cu_seqlens_q[b] are not o = 0, lse = -inf" in failures
+    assert any("NaN in the other sequences' K/V changed it" in f for f in failures), failures

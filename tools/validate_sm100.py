@@ -13,7 +13,10 @@ Correctness: for every built variant of the device's architecture in the dense f
 x mask x softcap), random normal inputs of odd sizes (GQA, seqlen_q == seqlen_k and a shorter query
 block against more keys), the output and LSE against a float64 NumPy oracle on sampled rows, every
 output finite, then a second call with other inputs (a kernel that keeps state between calls, or reads
-uninitialised shared memory, shows here). Speed: causal and non-causal prefill at 16k tokens per call
+uninitialised shared memory, shows here). For every varlen variant, packed sequences of odd lengths
+(one empty, one of a single token) plus padding rows past cu_seqlens_q[b]: each sequence against the
+oracle, the padding rows o = 0 / lse = -inf, and every other sequence's K/V rows set to NaN must leave
+a sequence's output bit for bit unchanged (the kernel zeroes V rows past a sequence's last key). Speed: causal and non-causal prefill at 16k tokens per call
 (heads = 2048 / head_dim), TFLOP/s of ours and of cuDNN (`jax.nn.dot_product_attention`).
 
 Verdict per (head_dim, mask, softcap): "switch on" when every case of it passed and, where cuDNN runs
@@ -115,6 +118,59 @@ def check_variant(fa4_jax, jax, jnp, variant, shapes, seed: int) -> list[str]:
     return failures
 
 
+VARLEN_LENS = (77, 0, 300, 1, 129)  # packed sequences: odd lengths, an empty one and a single token
+VARLEN_PAD = 5  # query rows past cu_seqlens_q[b]: o = 0, lse = -inf
+
+
+def check_varlen_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) -> list[str]:
+    """Failures of one varlen variant: VARLEN_LENS self-attention sequences (cu_seqlens_q ==
+    cu_seqlens_k) against the oracle, the padding rows, and isolation from the other sequences' K/V."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
+    causal = variant.mask == "causal"
+    window = WINDOW if variant.mask == "local" else (-1, -1)
+    softcap = SOFTCAP if variant.softcap else 0.0
+    h_q, h_k = heads
+    cu = np.concatenate([[0], np.cumsum(VARLEN_LENS)]).astype(np.int32)
+    total = int(cu[-1])
+    fn = jax.jit(lambda q, k, v: fa4_jax.attention_varlen(
+        q, k, v, jnp.asarray(cu), jnp.asarray(cu), max_seqlen_q=max(VARLEN_LENS), causal=causal, window_size=window,
+        softcap=softcap, return_lse=True, implementation="fa4"))
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (total + VARLEN_PAD, h_q, variant.head_dim), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(kk, (total, h_k, variant.head_dim), jnp.float32).astype(dtype) for kk in keys[1:])
+    try:
+        o, lse = (np.asarray(x, np.float32) for x in jax.block_until_ready(fn(q, k, v)))
+    except Exception as e:  # noqa: BLE001 - an FFI error is a finding
+        return [f"varlen: the call failed: {str(e).splitlines()[0][:120]}"]
+    failures = []
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        if end == start:
+            continue
+        if not (np.isfinite(o[start:end]).all() and np.isfinite(lse[:, start:end]).all()):
+            failures.append(f"varlen sequence {b}: non-finite output")
+            continue
+        rows = np.arange(end - start)
+        ref_o, ref_lse = oracle(q[None, start:end], k[None, start:end], v[None, start:end], rows, causal, window,
+                                softcap, heads=h_q)
+        err = np.abs(o[start:end] - ref_o).max() / max(np.abs(ref_o).max(), 1e-30)
+        lse_err = np.abs(lse[:, start:end] - ref_lse).max()
+        if err > REL_ERR_LIMIT or lse_err > LSE_ATOL:
+            failures.append(f"varlen sequence {b} ({end - start} tokens): output error {err:.2e}, "
+                            f"LSE error {lse_err:.2e}")
+    if (o[total:] != 0).any() or not (lse[:, total:] == -np.inf).all():
+        failures.append("varlen: padding rows past cu_seqlens_q[b] are not o = 0, lse = -inf")
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        if end == start:
+            continue
+        others = np.ones(total, bool)
+        others[start:end] = False
+        kp, vp = (jnp.where(jnp.asarray(others)[:, None, None], jnp.asarray(np.nan, dtype), x) for x in (k, v))
+        op, lp = (np.asarray(x, np.float32) for x in jax.block_until_ready(fn(q, kp, vp)))
+        if not (np.array_equal(op[start:end], o[start:end]) and np.array_equal(lp[:, start:end], lse[:, start:end])):
+            failures.append(f"varlen sequence {b}: NaN in the other sequences' K/V changed it")
+    return failures
+
+
 def speed_rows(fa4_jax, jax, jnp, head_dim: int, causal: bool, seqlens, time_per_call) -> list[tuple]:
     """(seqlen, ours TFLOP/s, cuDNN TFLOP/s or None) of bf16 prefill at 16k tokens per call."""
     out = []
@@ -149,7 +205,7 @@ def main(argv=None) -> int:
     import fa4_jax
     from benchmark import time_per_call
     from fa4_jax.core import library, platform
-    from fa4_jax.families import VALIDATED_ARCHES, FwdVariant
+    from fa4_jax.families import VALIDATED_ARCHES, FwdVariant, VarlenVariant
 
     device = jax.devices()[0]
     arch = platform.device_arch(device) if device.platform == "gpu" else None
@@ -165,8 +221,10 @@ def main(argv=None) -> int:
         print(f"validate_sm100: the kernel library holds no dense variant for {arch}: {library.library_status()}",
               file=sys.stderr)
         return 1
+    varlen = sorted((v for v in library.compiled_variants() if type(v) is VarlenVariant and v.arch == arch),
+                    key=lambda v: v.symbol)
     print(f"{device.device_kind}, arch {arch} ({'validated' if arch in VALIDATED_ARCHES else 'opt-in'}), "
-          f"{len(variants)} dense variants, jax {jax.__version__}")
+          f"{len(variants)} dense and {len(varlen)} varlen variants, jax {jax.__version__}")
 
     shapes = [(2, 333, 333, 8, 2)] if args.quick else [(2, 333, 333, 8, 2), (1, 77, 1000, 4, 4), (3, 1, 517, 8, 1)]
     failures = {}
@@ -174,6 +232,10 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore")  # the one-time "not yet validated" warning of the opt-in kernels
         for i, variant in enumerate(variants):
             failures[variant.symbol] = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
+            status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
+            print(f"  {variant.symbol:<44} {status}", flush=True)
+        for i, variant in enumerate(varlen):
+            failures[variant.symbol] = check_varlen_variant(fa4_jax, jax, jnp, variant, seed=1000 + i)
             status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
             print(f"  {variant.symbol:<44} {status}", flush=True)
 
@@ -192,18 +254,18 @@ def main(argv=None) -> int:
         cells = "  ".join(f"{s // 1024}k {o:5.0f} / {'  -  ' if c is None else f'{c:5.0f}'}" for s, o, c in rows)
         print(f"  hd{hd:<4} {mask:<7} {cells}")
 
-    print("\nverdict per configuration (every dtype's variant must pass):")
+    print("\nverdict per configuration (every dtype's dense and varlen variant must pass):")
     configs = sorted({(v.head_dim, v.mask, v.softcap) for v in variants})
     verdicts = {}
     for hd, mask, softcap in configs:
-        fails = [f for v in variants if (v.head_dim, v.mask, v.softcap) == (hd, mask, softcap)
+        fails = [f for v in variants + varlen if (v.head_dim, v.mask, v.softcap) == (hd, mask, softcap)
                  for f in failures[v.symbol]]
         ratios = [o / c for _, o, c in speeds.get((hd, mask), ()) if c] if not softcap else []
         verdicts[f"hd{hd}_{mask}{'_softcap' if softcap else ''}"] = verdict(fails, ratios)
     for name, text in verdicts.items():
         print(f"  {name:<22} {text}")
     bad = [s for s, f in failures.items() if f]
-    print(f"\n{len(variants) - len(bad)} of {len(variants)} variants correct. "
+    print(f"\n{len(variants) + len(varlen) - len(bad)} of {len(variants) + len(varlen)} variants correct. "
           + ("Switching on means adding the architecture to VALIDATED_ARCHES (fa4_jax/families/base.py) and "
              "rebuilding; record this screen in the commit." if arch not in VALIDATED_ARCHES else ""))
     if args.json:

@@ -31,13 +31,22 @@ overwritten, without a barrier.
 Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
 conventions (block_info.py, softmax.py). Not yet (the next steps, measured on hardware first): two Q
 tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent longest-first
-scheduling, TMA store of O, and the KV-cache / varlen seams.
+scheduling, TMA store of O, and the KV-cache seams.
+
+Varlen (call_varlen, `varlen=True`): the same kernel on packed (total, h, d) tensors. A tile (m_block,
+head, sequence) reads its sequence's lengths from cu_seqlens (keys clamped to the sequence's own, as
+fwd_sm90's TileProblem does) and its Q / K / V boxes start at the sequence's offsets; a box may run
+into the next sequence's rows, which only feed masked scores (K), rows not stored (Q) or V rows that
+the MMA warp zeroes in shared memory before the block's P.V gemm (_clear_v_keys: P = 0 there, but
+0 * NaN = NaN in the tensor core). The grid has one more "sequence", whose tiles write the rows past
+cu_seqlens_q[b] (o = 0, lse = the sink), striding over them.
 """
 
 from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -85,7 +94,7 @@ def _tmem_base(tmem: TmemAllocator):
 
 
 class FlashAttentionForwardSm100:
-    def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool):
+    def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool, varlen: bool = False):
         if cfg.q_stage != 1:
             raise NotImplementedError("the first SM100 kernel runs one Q tile per CTA (q_stage 1)")
         if mask not in ("full", "causal", "local"):
@@ -93,6 +102,9 @@ class FlashAttentionForwardSm100:
         self.cfg = cfg
         self.mask = mask
         self.softcap = softcap
+        # Varlen (call_varlen): the same kernel on packed (total, h, d) tensors, each tile at its
+        # sequence's offsets (as fwd_sm90.py's FwdSeams.varlen); see _varlen_seqlen.
+        self.varlen = varlen
         # Separate K and V rings, each half of what the shared memory holds beside Q (O leaves
         # from registers in this version: no staging tile).
         q_bytes = cfg.tile_m * cfg.head_dim * 2
@@ -119,16 +131,62 @@ class FlashAttentionForwardSm100:
         max_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        cfg = self.cfg
-        dtype = mQ.element_type
-        self.dtype = dtype
-        if const_expr(not (dtype == mK.element_type == mV.element_type == mO.element_type)):
-            raise TypeError("q, k, v and o must share one dtype")
+        if const_expr(self.varlen):
+            raise TypeError("this kernel is configured for varlen tensors: call_varlen")
         # Q, K, O: (s, d, h, b), head_dim contiguous (K-major operands); V: (d, s, h, b), the P.V
         # gemm's B operand with N = head_dim contiguous (MN-major).
         mQ, mK, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
         mVt = permute_modes(mV, [3, 1, 2, 0])
         mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.cfg.tile_m)
+        self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
+                    mQ.shape[0], mK.shape[0], num_m_blocks, num_m_blocks * mQ.shape[2] * mQ.shape[3], None, None,
+                    None, Int32(0), stream)
+
+    @cute.jit
+    def call_varlen(
+        self,
+        mQ: cute.Tensor,  # (total_q, h_q, d)
+        mK: cute.Tensor,  # (total_k, h_k, d)
+        mV: cute.Tensor,
+        mO: cute.Tensor,  # (total_q, h_q, d)
+        mLSE: cute.Tensor,  # (h_q, total_q) float32
+        mCuSeqlensQ: cute.Tensor,  # (b + 1,) int32
+        mCuSeqlensK: cute.Tensor,  # (b + 1,) int32
+        mSequsedK: cute.Tensor,  # (b,) int32: keys used per sequence
+        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        max_seqlen_q: Int32,
+        max_ctas: Int32,  # the SM90 kernel's persistent grid; this one launches a CTA per tile
+        stream: cuda.CUstream,
+    ):
+        if const_expr(not self.varlen):
+            raise TypeError("this kernel is configured for dense tensors: call_dense")
+        # (t, h, d) -> (t, d, h); V: (d, t, h). A tile reads its sequence's rows at the sequence's
+        # offset (domain_offset in `load`); LSE stays (h, t).
+        mQ, mK, mO = [permute_modes(t, [0, 2, 1]) for t in (mQ, mK, mO)]
+        mVt = permute_modes(mV, [2, 0, 1])
+        num_m_blocks = cute.ceil_div(max_seqlen_q, self.cfg.tile_m)
+        # b + 1 "batches": the last one writes the rows past cu_seqlens_q[b] (o = 0, lse = the sink).
+        tiles = num_m_blocks * mQ.shape[2] * mCuSeqlensQ.shape[0]
+        self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
+                    Int32(0), Int32(0), num_m_blocks, tiles, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
+                    mCuSeqlensQ.shape[0] - 1, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
+               seqlen_q, seqlen_k, num_m_blocks, tiles, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, stream):
+        """TMA atoms, shared-memory layouts and the launch of one CTA per tile. Q, K, O are (rows, d,
+        h[, b]) and V (d, rows, h[, b]); dense calls give seqlen_q / seqlen_k, varlen ones the
+        cu_seqlens tensors and num_batch."""
+        cfg = self.cfg
+        dtype = mQ.element_type
+        self.dtype = dtype
+        if const_expr(not (dtype == mK.element_type == mVt.element_type == mO.element_type)):
+            raise TypeError("q, k, v and o must share one dtype")
 
         mma_qk = (cfg.tile_m, cfg.tile_n, cfg.head_dim)
         mma_pv = (cfg.tile_m, cfg.head_dim, cfg.tile_n)
@@ -155,13 +213,12 @@ class FlashAttentionForwardSm100:
         self.q_bytes = cute.size_in_bytes(dtype, one(sQ_layout))
         self.kv_bytes = cute.size_in_bytes(dtype, one(sK_layout))
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], cfg.tile_m)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
-            softmax_scale_log2, softcap_prescale, window_left, window_right, mQ.shape[0], mK.shape[0],
-            mQ.shape[2] // mK.shape[2], num_m_blocks, sQ_layout, sK_layout, sV_layout, tP_layout,
-        ).launch(grid=[num_m_blocks * mQ.shape[2] * mQ.shape[3], 1, 1], block=[cfg.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=1)
+            softmax_scale_log2, softcap_prescale, window_left, window_right, seqlen_q, seqlen_k,
+            mQ.shape[2] // mK.shape[2], num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch,
+            sQ_layout, sK_layout, sV_layout, tP_layout,
+        ).launch(grid=[tiles, 1, 1], block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -177,8 +234,8 @@ class FlashAttentionForwardSm100:
         mK: cute.Tensor,
         tma_atom_V: cute.CopyAtom,
         mVt: cute.Tensor,
-        mO: cute.Tensor,  # (s_q, d, h_q, b)
-        mLSE: cute.Tensor,  # (s_q, h_q, b)
+        mO: cute.Tensor,  # (s_q, d, h_q, b); varlen (total_q, d, h_q)
+        mLSE: cute.Tensor,  # (s_q, h_q, b); varlen (h_q, total_q)
         mSinks: cute.Tensor,
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
@@ -188,6 +245,10 @@ class FlashAttentionForwardSm100:
         seqlen_k: Int32,
         qhead_per_kv: Int32,
         num_m_blocks: Int32,
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen only
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSequsedK: Optional[cute.Tensor],
+        num_batch: Int32,  # varlen: sequences (the grid has one more "batch": the padding rows)
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -253,10 +314,19 @@ class FlashAttentionForwardSm100:
         tmem = TmemAllocator(storage.tmem_holding.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
                                                                         num_threads=_TMEM_THREADS))
-        seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
+        pad = Int32(0)  # varlen: 1 for the pseudo-batch of the rows past cu_seqlens_q[b]
+        if const_expr(self.varlen):
+            seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
+        else:
+            seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
         blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
         n_block_min, n_block_max = blocks.n_block_min_max(m_block)
         n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+        if m_block * cfg.tile_m >= seqlen.seqlen_q:
+            n_blocks = Int32(0)  # varlen: a tile past its sequence's rows (the grid follows max_seqlen_q)
+        # The rows a tile without keys writes (o = 0, lse = the sink): its own 128; the padding
+        # pseudo-batch's tiles stride over all of its rows.
+        row_stride = num_m_blocks * cfg.tile_m if pad != 0 else Int32(1 << 30)
 
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
@@ -268,7 +338,7 @@ class FlashAttentionForwardSm100:
         if warp_idx == LOAD_WARP:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
-                      pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks)
+                      pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen)
         elif warp_idx == MMA_WARP:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             tmem.allocate(cfg.tmem_alloc_columns)
@@ -283,7 +353,7 @@ class FlashAttentionForwardSm100:
             p_step = per_col * (tmap["P1"][0] - tmap["P0"][0])
             s_step = tmap["S1"][0] - tmap["S0"][0]
             self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, tP0, p_step, pipe_q, pipe_k, pipe_v,
-                     pipe_s, pipe_p, pipe_o, n_blocks)
+                     pipe_s, pipe_p, pipe_o, n_blocks, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * cfg.tile_n)
             # Every role is done with Tensor Memory before it is freed.
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
@@ -292,13 +362,13 @@ class FlashAttentionForwardSm100:
         elif warp_idx <= _ROLES["softmax0"][-1]:
             cute.arch.setmaxregister_increase(cfg.softmax_regs)
             self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
-                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx)
+                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, row_stride)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         elif warp_idx <= _ROLES["correction"][-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
-            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q,
-                            n_blocks, tidx - 32 * _ROLES["correction"][0])
+            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen,
+                            n_blocks, tidx - 32 * _ROLES["correction"][0], row_stride)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         else:
@@ -306,12 +376,20 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
-             pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks):
-        """Q once, then K_j and V_j from the highest block down (the order the MMA warp uses them)."""
+             pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen: SeqlenInfo):
+        """Q once, then K_j and V_j from the highest block down (the order the MMA warp uses them).
+        Varlen: the boxes start at the sequence's offsets; a box may run into the next sequence's
+        rows, which only feed masked scores (K), zeroed rows (V, see `mma`) or rows not stored (Q)."""
         cfg = self.cfg
-        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
-        gV = cute.local_tile(mVt[None, None, head_kv, batch], (cfg.head_dim, cfg.tile_n), (0, None))
+        if const_expr(self.varlen):
+            mQh = cute.domain_offset((seqlen.offset_q, 0), mQ[None, None, head])
+            mKh = cute.domain_offset((seqlen.offset_k, 0), mK[None, None, head_kv])
+            mVh = cute.domain_offset((0, seqlen.offset_k), mVt[None, None, head_kv])
+        else:
+            mQh, mKh, mVh = mQ[None, None, head, batch], mK[None, None, head_kv, batch], mVt[None, None, head_kv, batch]
+        gQ = cute.local_tile(mQh, (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mKh, (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mVh, (cfg.head_dim, cfg.tile_n), (0, None))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
@@ -336,9 +414,12 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO, tP0,
-            p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks):
+            p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_pv,
+            keys_in_first):
         """One thread issues every gemm of the tile: S_j = Q K_j^T into S[j % 2], then
-        O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O."""
+        O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O.
+        `keys_in_first`: the sequence's keys in the first (highest) block; varlen zeroes V's rows
+        past them before that block's P.V gemm."""
         tSrQ = tiled_mma_qk.make_fragment_A(sQ)
         tSrK = tiled_mma_qk.make_fragment_B(sK)
         tOrV = tiled_mma_pv.make_fragment_B(sV)
@@ -370,6 +451,9 @@ class FlashAttentionForwardSm100:
                     # released the previous O (rescaled, when the max moved).
                     pipe_p.consumer_wait(p_state)
                     pipe_v.consumer_wait(v_state)
+                    if const_expr(self.varlen):
+                        if j == 1 and keys_in_first < self.cfg.tile_n:
+                            self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
                     pipe_o.producer_acquire(o_state)
                     with cute.arch.elect_one():
                         self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, (j - 1) % 2),
@@ -380,6 +464,47 @@ class FlashAttentionForwardSm100:
                     o_state.advance()
                     v_state.advance()
                     p_state.advance()
+
+    @cute.jit
+    def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch):
+        """(SeqlenInfo, pad) of a varlen tile's batch index: sequence `batch` (its keys clamped to its
+        own, as fwd_sm90's TileProblem does), or for batch == num_batch the pseudo-batch of the rows
+        past cu_seqlens_q[num_batch] (no keys: o = 0, lse = the sink; pad = 1)."""
+        offset_q = cutlass.min(cutlass.max(mCuSeqlensQ[num_batch], 0), total_q)
+        seqlen_q = total_q - offset_q
+        offset_k = Int32(0)
+        seqlen_k = Int32(0)
+        pad = Int32(1)
+        if batch < num_batch:
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            own_keys = cutlass.max(mCuSeqlensK[batch + 1] - offset_k, 0)
+            seqlen_k = cutlass.min(cutlass.max(mSequsedK[batch], 0), own_keys)
+            pad = Int32(0)
+        return SeqlenInfo(seqlen_q, seqlen_k, offset_q, offset_k), pad
+
+    @cute.jit
+    def _clear_v_keys(self, sV, thr_pv, stage, keys):
+        """Zero V's rows of keys >= `keys` in stage `stage` (the MMA warp's 32 lanes, then a fence into
+        the async proxy that the tensor core reads shared memory through). Varlen: the block past a
+        sequence's last key holds the next sequence's rows (NaN / Inf possible, and P = 0 there does
+        not help: 0 * NaN = NaN in the tensor core). The smem tile is in the MMA's partitioned shape;
+        an identity tensor partitioned the same way names each element's (head_dim, key)."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        tVcV = thr_pv.partition_B(cute.make_identity_tensor((cfg.head_dim, cfg.tile_n)))
+        tVsV = sV[None, None, None, stage]
+        k_blocks = cute.size(tVcV, mode=[2])
+        keys_per_k_block = cfg.tile_n // k_blocks
+        zero = Float32(0.0).to(sV.element_type)
+        for kb in cutlass.range(keys // keys_per_k_block, k_blocks, unroll=1):
+            cV, sVk = tVcV[None, None, kb], tVsV[None, None, kb]
+            for i in cutlass.range(lane, cute.size(cV), 32, unroll=1):
+                if cV[i][1] >= keys:
+                    sVk[i] = zero
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
 
     @staticmethod
     def _stage(t0, step: int, stage):
@@ -397,8 +522,9 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
-                softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx):
-        """Thread tidx owns row tidx: its scores come from TMEM lane tidx."""
+                softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, row_stride):
+        """Thread tidx owns row tidx: its scores come from TMEM lane tidx. `row_stride`: see the kernel
+        (a tile without keys writes the LSE of rows tidx + k * row_stride below seqlen_q)."""
         cfg = self.cfg
         tmap = cfg.tmem_map
         dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
@@ -511,13 +637,17 @@ class FlashAttentionForwardSm100:
             pipe_scale.producer_acquire(sc_state)
             sScale[tidx, sc_state.index] = inv
             pipe_scale.producer_commit(sc_state)
+        lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
         if row < blocks.seqlen.seqlen_q:
-            lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
-            mLSE[row, head, batch] = lse
+            self._store_lse(mLSE, blocks.seqlen, row, head, batch, lse)
+        if n_blocks == 0:
+            # The padding pseudo-batch's rows beyond this tile (row_stride apart); none elsewhere.
+            for r in cutlass.range(row + row_stride, blocks.seqlen.seqlen_q, row_stride, unroll=1):
+                self._store_lse(mLSE, blocks.seqlen, r, head, batch, lse)
 
     @cute.jit
-    def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen_q, n_blocks,
-                   tidx):
+    def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen: SeqlenInfo,
+                   n_blocks, tidx, row_stride):
         """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx): rescales it in TMEM between P.V
         gemms, then stores O / row sum. A row is head_dim fp32 values, more than the warpgroup's
         registers: it is done in 32-column chunks (one 32x32b load or store each)."""
@@ -533,6 +663,7 @@ class FlashAttentionForwardSm100:
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         row = m_block * cfg.tile_m + tidx
+        seqlen_q = seqlen.seqlen_q
         for j in cutlass.range(n_blocks, unroll=1):
             pipe_o.consumer_wait(o_state)  # P_j V_j has landed in O
             pipe_scale.consumer_wait(sc_state)
@@ -552,7 +683,7 @@ class FlashAttentionForwardSm100:
                         rO[i] = rO[i] * scale
                     if last:
                         if row < seqlen_q:
-                            out = mO[row, None, head, batch]
+                            out = self._o_row(mO, seqlen, row, head, batch)
                             for i in cutlass.range_constexpr(cute.size(rO)):
                                 out[c * chunk + tOcO[i][1]] = rO[i].to(mO.element_type)
                     else:
@@ -563,8 +694,22 @@ class FlashAttentionForwardSm100:
             pipe_o.consumer_release(o_state)
             o_state.advance()
         if n_blocks == 0:
-            # No key: O = 0 (the softmax wrote lse).
-            if row < seqlen_q:
-                out = mO[row, None, head, batch]
+            # No key: O = 0 (the softmax wrote lse); the padding pseudo-batch's tiles stride over all
+            # of its rows (row_stride).
+            for r in cutlass.range(row, seqlen_q, row_stride, unroll=1):
+                out = self._o_row(mO, seqlen, r, head, batch)
                 for i in cutlass.range_constexpr(cfg.head_dim):
                     out[i] = Float32(0.0).to(mO.element_type)
+
+    def _o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
+        """Row `row` of the tile's sequence in O: (s_q, d, h, b) dense, packed (t, d, h) varlen."""
+        if const_expr(self.varlen):
+            return mO[seqlen.offset_q + row, None, head]
+        return mO[row, None, head, batch]
+
+    def _store_lse(self, mLSE, seqlen: SeqlenInfo, row, head, batch, lse):
+        """LSE of row `row`: (s_q, h, b) dense, packed (h, t) varlen."""
+        if const_expr(self.varlen):
+            mLSE[head, seqlen.offset_q + row] = lse
+        else:
+            mLSE[row, head, batch] = lse

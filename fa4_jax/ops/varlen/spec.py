@@ -23,9 +23,9 @@ class VarlenVariant(FwdVariant):
 
 
 def default_menu() -> tuple[VarlenVariant, ...]:
-    """The dense family's default menu (every head dim, mask and softcap) on Hopper, the one
-    architecture with a varlen kernel so far."""
-    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu() if v.arch == "sm90")
+    """The dense family's default menu: every architecture, head dim, mask and softcap (the SM100
+    kernels opt-in, as the dense ones: families.VALIDATED_ARCHES)."""
+    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu())
 
 
 def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
