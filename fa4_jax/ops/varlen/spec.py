@@ -1,7 +1,8 @@
 """The varlen family: attention over packed variable-length sequences (total_tokens, heads, d).
 
-Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.varlen) are the dense kernel at per-sequence offsets read
-from cu_seqlens; handler ffi/varlen.cc. Compile-time: mask kind and softcap, as for the dense family;
+Its kernels (fa4_jax/kernels/fwd_sm90.py, configured by FwdSeams.varlen; on Blackwell fwd_sm100.py's
+call_varlen, opt-in) are the dense kernel at per-sequence offsets read from cu_seqlens; handler
+ffi/varlen.cc. Compile-time: mask kind and softcap, as for the dense family;
 offsets, lengths, window bounds, softcap value, sinks and the grid bound max_seqlen_q are runtime.
 """
 
