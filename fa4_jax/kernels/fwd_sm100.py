@@ -44,6 +44,7 @@ cu_seqlens_q[b] (o = 0, lse = the sink), striding over them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Optional
@@ -319,14 +320,15 @@ class FlashAttentionForwardSm100:
             seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
         else:
             seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
-        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
+        # The block ranges and masks need the lengths only; a varlen tile's offsets are read where
+        # they are used (the softmax's 248 registers per thread are all in use at head_dim 64-128
+        # with softcap: see the masking in `softmax`).
+        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, SeqlenInfo(seqlen.seqlen_q, seqlen.seqlen_k),
+                                  window_left, window_right)
         n_block_min, n_block_max = blocks.n_block_min_max(m_block)
         n_blocks = cutlass.max(n_block_max - n_block_min, 0)
         if m_block * cfg.tile_m >= seqlen.seqlen_q:
             n_blocks = Int32(0)  # varlen: a tile past its sequence's rows (the grid follows max_seqlen_q)
-        # The rows a tile without keys writes (o = 0, lse = the sink): its own 128; the padding
-        # pseudo-batch's tiles stride over all of its rows.
-        row_stride = num_m_blocks * cfg.tile_m if pad != 0 else Int32(1 << 30)
 
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
@@ -362,13 +364,14 @@ class FlashAttentionForwardSm100:
         elif warp_idx <= _ROLES["softmax0"][-1]:
             cute.arch.setmaxregister_increase(cfg.softmax_regs)
             self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
-                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, row_stride)
+                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad,
+                         num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         elif warp_idx <= _ROLES["correction"][-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
             self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen,
-                            n_blocks, tidx - 32 * _ROLES["correction"][0], row_stride)
+                            n_blocks, tidx - 32 * _ROLES["correction"][0], pad, num_m_blocks)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         else:
@@ -466,10 +469,12 @@ class FlashAttentionForwardSm100:
                     p_state.advance()
 
     @cute.jit
-    def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch):
+    def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch,
+                       keys: cutlass.Constexpr[bool] = True):
         """(SeqlenInfo, pad) of a varlen tile's batch index: sequence `batch` (its keys clamped to its
         own, as fwd_sm90's TileProblem does), or for batch == num_batch the pseudo-batch of the rows
-        past cu_seqlens_q[num_batch] (no keys: o = 0, lse = the sink; pad = 1)."""
+        past cu_seqlens_q[num_batch] (no keys: o = 0, lse = the sink; pad = 1). keys=False: the rows
+        only (mCuSeqlensK and mSequsedK are not read)."""
         offset_q = cutlass.min(cutlass.max(mCuSeqlensQ[num_batch], 0), total_q)
         seqlen_q = total_q - offset_q
         offset_k = Int32(0)
@@ -478,9 +483,10 @@ class FlashAttentionForwardSm100:
         if batch < num_batch:
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            offset_k = mCuSeqlensK[batch]
-            own_keys = cutlass.max(mCuSeqlensK[batch + 1] - offset_k, 0)
-            seqlen_k = cutlass.min(cutlass.max(mSequsedK[batch], 0), own_keys)
+            if const_expr(keys):
+                offset_k = mCuSeqlensK[batch]
+                own_keys = cutlass.max(mCuSeqlensK[batch + 1] - offset_k, 0)
+                seqlen_k = cutlass.min(cutlass.max(mSequsedK[batch], 0), own_keys)
             pad = Int32(0)
         return SeqlenInfo(seqlen_q, seqlen_k, offset_q, offset_k), pad
 
@@ -522,9 +528,11 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
-                softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, row_stride):
-        """Thread tidx owns row tidx: its scores come from TMEM lane tidx. `row_stride`: see the kernel
-        (a tile without keys writes the LSE of rows tidx + k * row_stride below seqlen_q)."""
+                softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad, num_m_blocks,
+                mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch):
+        """Thread tidx owns row tidx: its scores come from TMEM lane tidx. `pad`: the tile belongs to
+        the varlen padding pseudo-batch (_pad_stride). Varlen: the tile's row offset is read again
+        at the end, for the LSE store (_varlen_seqlen)."""
         cfg = self.cfg
         tmap = cfg.tmem_map
         dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
@@ -570,14 +578,22 @@ class FlashAttentionForwardSm100:
             if const_expr(blocks.has_left_edge):
                 need_mask = need_mask or n_block < n_block_left
             if need_mask:
+                mb = blocks
+                if const_expr(self.varlen):
+                    # The lengths again (L1 hits), rather than kept live through the loop: the 248
+                    # registers per softmax thread are all in use at head_dim 64-128 with softcap
+                    # (kept, they spilled 8-64 bytes; the dense kernel reads them as parameters).
+                    fresh, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1],
+                                                   batch)
+                    mb = dataclasses.replace(blocks, seqlen=fresh)
                 col0 = n_block * cfg.tile_n
-                hi = blocks.seqlen.seqlen_k - col0
+                hi = mb.seqlen.seqlen_k - col0
                 lo = Int32(0)
                 if const_expr(blocks.has_right_edge):
-                    diag = row + blocks.diag_offset() - col0
-                    hi = cutlass.min(hi, diag + blocks.window_right + 1)
+                    diag = row + mb.diag_offset() - col0
+                    hi = cutlass.min(hi, diag + mb.window_right + 1)
                     if const_expr(blocks.has_left_edge):
-                        lo = diag - blocks.window_left
+                        lo = diag - mb.window_left
                 for i in cutlass.range_constexpr(cute.size(rS)):
                     col = tScS[i][1]
                     if const_expr(blocks.has_left_edge):
@@ -638,16 +654,21 @@ class FlashAttentionForwardSm100:
             sScale[tidx, sc_state.index] = inv
             pipe_scale.producer_commit(sc_state)
         lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+        at = blocks.seqlen  # dense: the rows are the tile's own
+        if const_expr(self.varlen):
+            at, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensQ, mCuSeqlensQ, num_batch, mLSE.shape[1], batch,
+                                        keys=False)
         if row < blocks.seqlen.seqlen_q:
-            self._store_lse(mLSE, blocks.seqlen, row, head, batch, lse)
-        if n_blocks == 0:
-            # The padding pseudo-batch's rows beyond this tile (row_stride apart); none elsewhere.
-            for r in cutlass.range(row + row_stride, blocks.seqlen.seqlen_q, row_stride, unroll=1):
-                self._store_lse(mLSE, blocks.seqlen, r, head, batch, lse)
+            self._store_lse(mLSE, at, row, head, batch, lse)
+        if const_expr(self.varlen):
+            if pad != 0:
+                stride = self._pad_stride(num_m_blocks)
+                for r in cutlass.range(row + stride, blocks.seqlen.seqlen_q, stride, unroll=1):
+                    self._store_lse(mLSE, at, r, head, batch, lse)
 
     @cute.jit
     def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen: SeqlenInfo,
-                   n_blocks, tidx, row_stride):
+                   n_blocks, tidx, pad, num_m_blocks):
         """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx): rescales it in TMEM between P.V
         gemms, then stores O / row sum. A row is head_dim fp32 values, more than the warpgroup's
         registers: it is done in 32-column chunks (one 32x32b load or store each)."""
@@ -694,12 +715,26 @@ class FlashAttentionForwardSm100:
             pipe_o.consumer_release(o_state)
             o_state.advance()
         if n_blocks == 0:
-            # No key: O = 0 (the softmax wrote lse); the padding pseudo-batch's tiles stride over all
-            # of its rows (row_stride).
-            for r in cutlass.range(row, seqlen_q, row_stride, unroll=1):
-                out = self._o_row(mO, seqlen, r, head, batch)
-                for i in cutlass.range_constexpr(cfg.head_dim):
-                    out[i] = Float32(0.0).to(mO.element_type)
+            # No key: O = 0 (the softmax wrote lse).
+            if row < seqlen_q:
+                self._zero_o_row(mO, seqlen, row, head, batch)
+            if const_expr(self.varlen):
+                if pad != 0:
+                    stride = self._pad_stride(num_m_blocks)
+                    for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
+                        self._zero_o_row(mO, seqlen, r, head, batch)
+
+    def _pad_stride(self, num_m_blocks):
+        """The varlen padding pseudo-batch's rows past cu_seqlens_q[b] may outnumber its tiles' rows
+        (the grid follows max_seqlen_q): each of its tiles writes its rows this far apart. Computed
+        where used, from kernel parameters, so that nothing extra stays live through the mainloop."""
+        return num_m_blocks * self.cfg.tile_m
+
+    @cute.jit
+    def _zero_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
+        out = self._o_row(mO, seqlen, row, head, batch)
+        for i in cutlass.range_constexpr(self.cfg.head_dim):
+            out[i] = Float32(0.0).to(mO.element_type)
 
     def _o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
         """Row `row` of the tile's sequence in O: (s_q, d, h, b) dense, packed (t, d, h) varlen."""
