@@ -54,7 +54,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import TmemAllocator
@@ -62,8 +62,10 @@ from cutlass.memory import TmemAllocator
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig
 from fa4_jax.kernels.exp2_fma import exp2_fma
+from fa4_jax.kernels.seams import Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
+from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.utils import permute_modes
 
 _LOG2E = 1.4426950408889634
@@ -315,7 +317,7 @@ class FlashAttentionForwardSm100:
         tmem = TmemAllocator(storage.tmem_holding.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
                                                                         num_threads=_TMEM_THREADS))
-        pad = Int32(0)  # varlen: 1 for the pseudo-batch of the rows past cu_seqlens_q[b]
+        pad = False  # varlen: the pseudo-batch of the rows past cu_seqlens_q[b]
         if const_expr(self.varlen):
             seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
         else:
@@ -469,25 +471,23 @@ class FlashAttentionForwardSm100:
                     p_state.advance()
 
     @cute.jit
-    def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch,
-                       keys: cutlass.Constexpr[bool] = True):
-        """(SeqlenInfo, pad) of a varlen tile's batch index: sequence `batch` (its keys clamped to its
-        own, as fwd_sm90's TileProblem does), or for batch == num_batch the pseudo-batch of the rows
-        past cu_seqlens_q[num_batch] (no keys: o = 0, lse = the sink; pad = 1). keys=False: the rows
-        only (mCuSeqlensK and mSequsedK are not read)."""
+    def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch):
+        """(SeqlenInfo, pad) of a varlen tile's batch index: sequence `batch`, as fwd_sm90's tiles
+        read it (TileProblem.seqlen: keys clamped to the sequence's own), or for batch == num_batch
+        the pseudo-batch of the rows past cu_seqlens_q[num_batch] (no keys: o = 0, lse = the sink;
+        pad True). num_batch may be 0 (every row is padding)."""
         offset_q = cutlass.min(cutlass.max(mCuSeqlensQ[num_batch], 0), total_q)
         seqlen_q = total_q - offset_q
         offset_k = Int32(0)
         seqlen_k = Int32(0)
-        pad = Int32(1)
+        pad = Boolean(True)
         if batch < num_batch:
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            if const_expr(keys):
-                offset_k = mCuSeqlensK[batch]
-                own_keys = cutlass.max(mCuSeqlensK[batch + 1] - offset_k, 0)
-                seqlen_k = cutlass.min(cutlass.max(mSequsedK[batch], 0), own_keys)
-            pad = Int32(0)
+            problem = TileProblem(Seqlens.VARLEN, self.cfg.tile_m, self.cfg.tile_n, self.mask, Int32(0), Int32(0),
+                                  mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mSequsedK=mSequsedK,
+                                  num_batch=num_batch, total_q=total_q)
+            seq = problem.seqlen(batch)
+            offset_q, seqlen_q, offset_k, seqlen_k = seq.offset_q, seq.seqlen_q, seq.offset_k, seq.seqlen_k
+            pad = Boolean(False)
         return SeqlenInfo(seqlen_q, seqlen_k, offset_q, offset_k), pad
 
     @cute.jit
@@ -656,12 +656,11 @@ class FlashAttentionForwardSm100:
         lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
         at = blocks.seqlen  # dense: the rows are the tile's own
         if const_expr(self.varlen):
-            at, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensQ, mCuSeqlensQ, num_batch, mLSE.shape[1], batch,
-                                        keys=False)
+            at, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1], batch)
         if row < blocks.seqlen.seqlen_q:
             self._store_lse(mLSE, at, row, head, batch, lse)
         if const_expr(self.varlen):
-            if pad != 0:
+            if pad:
                 stride = self._pad_stride(num_m_blocks)
                 for r in cutlass.range(row + stride, blocks.seqlen.seqlen_q, stride, unroll=1):
                     self._store_lse(mLSE, at, r, head, batch, lse)
@@ -719,7 +718,7 @@ class FlashAttentionForwardSm100:
             if row < seqlen_q:
                 self._zero_o_row(mO, seqlen, row, head, batch)
             if const_expr(self.varlen):
-                if pad != 0:
+                if pad:
                     stride = self._pad_stride(num_m_blocks)
                     for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
                         self._zero_o_row(mO, seqlen, r, head, batch)
