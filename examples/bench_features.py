@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import REL_ERR_LIMIT, check_rows, hopper_device, make_inputs, short, time_per_call  # noqa: E402
+from benchmark import REL_ERR_LIMIT, check_rows, kernel_device, make_inputs, short, time_per_call  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
@@ -77,8 +77,9 @@ def main() -> int:
     ap.add_argument("--target-batch-s", type=float, default=0.2)
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
-    if hopper_device() is None:
-        print("bench_features: no Hopper GPU; nothing to measure")
+    device, why = kernel_device("fwd")
+    if device is None:
+        print(f"bench_features: nothing to measure: {why}")
         return 0
 
     s, d, h = args.seqlen, 128, 16

@@ -52,17 +52,26 @@ REL_ERR_LIMIT = 2e-2
 # --------------------------------------------------------------------------------------------------
 
 
-def hopper_device():
-    """The first GPU if the kernels are built for it (fa4_jax.core.platform decides), else None."""
+def kernel_device(family: str = "fwd"):
+    """(the first GPU, None) when the default build has kernels of `family` (fa4_jax.families: "fwd",
+    "kvcache", "varlen") for it, else (None, why). A Blackwell GPU has the dense and varlen kernels
+    (opt-in: implementation="fa4" runs them) but no KV-cache kernels yet."""
     from fa4_jax.core import platform as _platform
+    from fa4_jax.families import default_menu, family_of
 
     try:
         devices = jax.devices("gpu")
     except RuntimeError:
-        return None
-    if not devices or _platform.device_unavailable_reason(devices[0]) is not None:
-        return None
-    return devices[0]
+        devices = []
+    if not devices:
+        return None, f"no GPU (default backend {jax.default_backend()!r})"
+    reason = _platform.device_unavailable_reason(devices[0])
+    if reason is not None:
+        return None, reason
+    arch = _platform.device_arch(devices[0])
+    if not any(v.arch == arch and family_of(v).name == family for v in default_menu()):
+        return None, f"the default build has no {family} kernels for {arch} ({devices[0].device_kind}) yet"
+    return devices[0], None
 
 
 def _dist_version(name: str) -> str:
@@ -370,7 +379,9 @@ def cpu_demo() -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = hopper_device()
+    device, why = kernel_device("fwd")
+    if device is None:
+        print(f"benchmark: no fa4_jax kernels to measure here ({why}); the CPU demo instead")
     for line in header_lines(device):
         print(line)
     if device is None:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import REL_ERR_LIMIT, header_lines, hopper_device, short, time_per_call  # noqa: E402
+from benchmark import REL_ERR_LIMIT, header_lines, kernel_device, short, time_per_call  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
                     help="kernel time alone (unrolled jitted loop), automatic vs every forced split count")
     ap.add_argument("--rounds", type=int, default=3, help="--device-time: interleaved repeats")
     args = ap.parse_args(argv)
-    device = hopper_device()
+    device, why = kernel_device("kvcache")
     if device is None:
-        print("benchmark_decode: no Hopper GPU with the fa4_jax kernels here; nothing to measure")
+        print(f"benchmark_decode: nothing to measure: {why}")
         return 0
     print("\n".join(header_lines(device)))
     tp = dict(batches=args.batches, target_batch_s=args.target_batch_s)

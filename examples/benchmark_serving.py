@@ -70,7 +70,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import header_lines, hopper_device, short, time_per_call  # noqa: E402
+from benchmark import header_lines, kernel_device, short, time_per_call  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
@@ -634,7 +634,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = hopper_device()
+    device, why = kernel_device("kvcache")
     quick = args.quick or device is None
     sz = QUICK if quick else FULL
     sz = dataclasses.replace(sz, rounds=args.rounds or sz.rounds, loop=args.loop or sz.loop)
@@ -645,7 +645,7 @@ def main(argv=None) -> int:
     print("\n".join(header))
     if device is None:
         backend = jax.default_backend()
-        print(f"NOTE: no Hopper GPU with the fa4_jax kernels: the --quick sizes run with implementation=None on "
+        print(f"NOTE: no fa4_jax KV-cache kernels here ({why}): the --quick sizes run with implementation=None on "
               f"{backend.upper()}{' (the XLA reference)' if backend == 'cpu' else ''}; the timings below are "
               "CPU/reference numbers, not kernel numbers" + ("" if args.quick else " (--quick implied)"))
     fa4 = FlashAttention4(device)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import REL_ERR_LIMIT, header_lines, hopper_device, time_per_call  # noqa: E402
+from benchmark import REL_ERR_LIMIT, header_lines, kernel_device, time_per_call  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
@@ -59,9 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=5)
     ap.add_argument("--target-batch-s", type=float, default=0.2)
     args = ap.parse_args(argv)
-    device = hopper_device()
+    device, why = kernel_device("varlen")
     if device is None:
-        print("benchmark_varlen: no Hopper GPU with the fa4_jax kernels here; nothing to measure")
+        print(f"benchmark_varlen: nothing to measure: {why}")
         return 0
     print("\n".join(header_lines(device)))
     tp = dict(batches=args.batches, target_batch_s=args.target_batch_s)

@@ -78,3 +78,37 @@ def test_benchmark_serving_quick(tmp_path):
     for r in rows:  # our ragged call was checked and timed in every row
         ours = r.get("ours_one_call") or r.get("ours_ragged")
         assert ours["rel_err"] < 2e-2 and ours["us"] > 0, r
+
+
+def _fake_gpu(capability):
+    import types
+
+    return types.SimpleNamespace(platform="gpu", compute_capability=capability, device_kind="NVIDIA TEST", id=0)
+
+
+@pytest.mark.parametrize("capability,family,runs", [
+    ("9.0", "kvcache", True), ("10.0", "fwd", True), ("10.0", "varlen", True), ("10.0", "kvcache", False),
+    ("8.0", "fwd", False),
+])
+def test_benchmarks_measure_only_the_kernels_a_gpu_has(monkeypatch, capability, family, runs):
+    # The benchmarks ask benchmark.kernel_device(family) first: a Blackwell GPU has dense and varlen
+    # kernels (opt-in) but no KV-cache ones yet, so the decode benchmarks say so instead of failing.
+    import jax
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import benchmark
+
+    gpu = _fake_gpu(capability)
+    monkeypatch.setattr(jax, "devices", lambda platform=None: [gpu])
+    device, why = benchmark.kernel_device(family)
+    assert (device is gpu) == runs and (why is None) == runs, why
+    if capability == "10.0" and not runs:
+        assert why == "the default build has no kvcache kernels for sm100 (NVIDIA TEST) yet"
+
+
+def test_benchmarks_without_a_gpu_say_why():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import benchmark
+
+    device, why = benchmark.kernel_device("fwd")
+    assert device is None and why.startswith("no GPU (default backend 'cpu'")
