@@ -4,7 +4,7 @@ With num_splits > 1 every split of a KV-cache tile writes its normalised O and i
 a workspace, and the splits are merged: o = sum_s exp(lse_s - lse) o_s with lse = log(sum_s
 exp(lse_s) + exp(sink)). Sinks join only here (a split must not count them). `merge_row` is the
 merge of one (batch, query, q-head) row by one warp. Two places run it:
-- the last split CTA of each tile to finish (epilogue_sm90.merge_splits_if_last), when the handler
+- the last split CTA of each tile to finish (split_epilogue.merge_splits_if_last), when the handler
   hands the kernel a zeroed semaphore per tile (ffi/kvcache.cc): no second launch;
 - otherwise this file's kernel, launched right after the attention kernel by the same exported
   function, one warp per row.

@@ -8,7 +8,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from fa4_jax.kernels.combine_sm90 import merge_row
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.utils import acc_as_mn
 
@@ -142,78 +141,3 @@ def split_store(cfg, acc_O, lse, tOcO, mO, mLSE, mOaccum, mLSEaccum, work, seqle
                     o_row[tOcO[r, c][1]] = o_mn[r, c]
                 if tOcO[r, 0][1] == 0:
                     mLSEaccum[work.split, seqlen.batch_q, head, pos] = lse[r]
-
-
-@cute.jit
-def fill_unowned_packed_rows(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, tidx, work, seqlen, problem):
-    """SPLIT_PARTIALS' padding (a ragged batch): the pseudo-batch's tile (m_block, kv-head, split)
-    covers the pack-GQA rows past cu_seqlens_q[batch] (seqlen: no keys), strided over the
-    pseudo-batch's m-blocks. What a row without visible keys gets: o = 0 and lse = the sink logit
-    (-inf without sinks); with splits, this split's partial (0, -inf), which the combine turns into
-    the same."""
-    n_threads = 128 * cfg.num_consumer_wg
-    stride = problem.num_m_blocks * cfg.tile_m
-    rows = seqlen.seqlen_q * problem.qhead_per_kv
-    group = problem.qhead_per_kv
-    row0 = work.m_block * cfg.tile_m
-    while row0 < rows:
-        for i in cutlass.range(tidx, cfg.tile_m * cfg.head_dim, n_threads, unroll=1):
-            row = row0 + i // cfg.head_dim
-            if row < rows:
-                query = row // group
-                head = work.head * group + row - query * group
-                pos = seqlen.offset_q + query
-                col = i % cfg.head_dim
-                if problem.num_splits == 1:
-                    mO[seqlen.batch_q, pos, head, col] = Float32(0.0).to(mO.element_type)
-                else:
-                    mOaccum[work.split, seqlen.batch_q, pos, head, col] = Float32(0.0)
-        for i in cutlass.range(tidx, cfg.tile_m, n_threads, unroll=1):
-            row = row0 + i
-            if row < rows:
-                query = row // group
-                head = work.head * group + row - query * group
-                pos = seqlen.offset_q + query
-                if problem.num_splits == 1:
-                    mLSE[seqlen.batch_q, head, pos] = mSinks[head]
-                else:
-                    mLSEaccum[work.split, seqlen.batch_q, head, pos] = -Float32.inf
-        row0 += stride
-
-
-@cute.jit
-def merge_splits_if_last(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work, seqlen, problem):
-    """SPLIT_PARTIALS with the combine fused (problem.mSemaphores has a counter per (batch, KV head,
-    m_block) tile, zero between launches): after its split_store, each split CTA of a tile counts
-    itself in; the last one to arrive merges the tile's rows from the workspace (combine_sm90's
-    merge_row, one warp per row) and puts the counter back to zero for the next launch. Saves the
-    combine kernel's launch and its wait for the attention kernel's tail (issue 20)."""
-    n_consumer = 128 * cfg.num_consumer_wg
-    # Release: every thread's partial stores are ordered before its arrival at the barrier, and so
-    # before thread 0's increment below (the classic threadfence-reduction pattern).
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_consumer)
-    if tidx == 0:
-        counter = (work.batch * problem.heads_kv + work.head) * problem.num_m_blocks + work.m_block
-        ptr = (problem.mSemaphores.iterator + counter).llvm_ptr
-        arrived = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
-        last = Int32(0)
-        if arrived == problem.num_splits - 1:
-            # Every split has counted in: nobody touches this counter again in this launch.
-            cute.arch.atomic_exch(ptr, Int32(0), sem="relaxed", scope="gpu")
-            last = Int32(1)
-        sMergeFlag[0] = last
-    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_consumer)
-    if sMergeFlag[0] != 0:
-        # Acquire: the other splits' partials (released before their increments) are visible.
-        cute.arch.fence_acq_rel_gpu()
-        lane = tidx % 32
-        rows = cutlass.min(cfg.tile_m, seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m)
-        for r in cutlass.range(tidx // 32, rows, n_consumer // 32, unroll=1):
-            row = work.m_block * cfg.tile_m + r
-            query = row // problem.qhead_per_kv
-            pos = seqlen.offset_q + query
-            if pos < mO.shape[1]:
-                head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
-                merge_row(mOaccum, mLSEaccum, mO, mLSE, mSinks, problem.num_splits, seqlen.batch_q, pos, head, lane,
-                          cfg.head_dim)

@@ -2,7 +2,7 @@
 Build time only.
 
 One kernel body; `FwdSeams` (seams.py) picks at compile time what plugs into each seam: where
-sequence lengths come from (tile_problem.py), how Q and K/V reach shared memory (loaders_sm90.py),
+sequence lengths come from (tile_problem.py), how Q and K/V reach shared memory (loaders.py),
 which tiles a CTA takes (tile_scheduler.py) and how O leaves (epilogue_sm90.py, combine_sm90.py).
 Each family's exported function is one host entry below (call_dense, call_varlen, call_kvcache):
 it adapts the family's C ABI and launches the same `kernel`.
@@ -40,7 +40,7 @@ What the seams change (seams.py lists them):
   in page_rows-row TMA pieces (16, or 1 for other page sizes) from the pages the page table names
   (ids clamped into the pool).
   Split-KV divides a tile's key blocks over num_splits CTAs; the last of them to finish merges the
-  partials (epilogue_sm90.merge_splits_if_last), or the combine kernel does.
+  partials (split_epilogue.merge_splits_if_last), or the combine kernel does.
 - Keys past a sequence's end that a K/V block still covers (varlen, KV cache) are masked to -inf,
   but the tensor core computes 0 * NaN = NaN, so their V rows are zeroed in shared memory before the
   PV gemm (clear_v_rows; FwdSeams.keys_past_end).
@@ -63,11 +63,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from fa4_jax.kernels import epilogue_sm90 as epi
+from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config import Sm90FwdConfig
-from fa4_jax.kernels.loaders_sm90 import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
-from fa4_jax.kernels.loaders_sm90 import row_thread_layout, tma_tile_copy
+from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
+from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
 from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
@@ -90,7 +91,7 @@ class FlashAttentionForwardSm90:
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
         self.seams = FwdSeams.dense() if seams is None else seams
-        self.page_rows = page_rows  # paged K/V: rows per piece (loaders_sm90.PAGE_ROWS_CHOICES)
+        self.page_rows = page_rows  # paged K/V: rows per piece (loaders.PAGE_ROWS_CHOICES)
         # Per-CTA phase timestamps for tools/decode_phases.py: KV-cache kernels built with
         # FA4_JAX_PHASE_TIMES=1 only (phase_times.py).
         self.stamps = phase_times.Stamps(phase_times.ENABLED and self.seams.seqlens is Seqlens.CACHE)
@@ -307,7 +308,7 @@ class FlashAttentionForwardSm90:
         if self.seams.epilogue is Epilogue.TMA_STORE:
             fields["sO"] = smem(sO_size)
         if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
-            fields["merge_flag"] = cute.struct.MemRange[Int32, 1]  # epi.merge_splits_if_last's verdict
+            fields["merge_flag"] = cute.struct.MemRange[Int32, 1]  # split_epilogue.merge_splits_if_last's verdict
         fields.update(phase_times.smem_fields(self.stamps.on))
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -657,8 +658,9 @@ class FlashAttentionForwardSm90:
                 elif const_expr(problem.seqlens is Seqlens.VARLEN):
                     epi.fill_unowned_rows(cfg, mO, mLSE, mSinks, tidx, work, problem)
                 else:  # a ragged KV-cache batch's pseudo-batch
-                    epi.fill_unowned_packed_rows(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, tidx, work,
-                                                 problem.seqlen(work.batch), problem)
+                    split_epilogue.fill_unowned_packed_rows(cfg.tile_m, cfg.head_dim, 128 * cfg.num_consumer_wg, mO,
+                                                            mLSE, mOaccum, mLSEaccum, mSinks, tidx, work,
+                                                            problem.seqlen(work.batch), problem)
             else:
                 state, q_state = self.consume_tile(work, problem.seqlen(work.batch), state, q_state, *args)
             tile_idx = scheduler.next(tile_idx)
@@ -672,8 +674,10 @@ class FlashAttentionForwardSm90:
                 tile_idx = scheduler.first()
                 while tile_idx < num_tiles:
                     work = scheduler.tile(tile_idx)
-                    epi.merge_splits_if_last(cfg, mO, mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work,
-                                             problem.seqlen(work.batch), problem)
+                    split_epilogue.merge_splits_if_last(cfg.tile_m, cfg.head_dim, 128 * cfg.num_consumer_wg,
+                                                        int(NamedBarrierFwd.EPILOGUE), mO, mLSE, mOaccum, mLSEaccum,
+                                                        mSinks, sMergeFlag, tidx, work, problem.seqlen(work.batch),
+                                                        problem)
                     tile_idx = scheduler.next(tile_idx)
             if const_expr(self.stamps.on):
                 self.stamps.end_consumer(tidx, sMergeFlag[0] if problem.fused_combine() else Int32(0))

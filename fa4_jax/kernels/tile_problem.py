@@ -42,7 +42,7 @@ class TileProblem:
     qhead_per_kv: Int32 | int = 1
     num_splits: Int32 | int = 1
     capacity: Int32 | None = None  # keys a sequence can hold: cache_seqlens are clamped to it
-    # CACHE with the combine fused (epilogue_sm90.merge_splits_if_last): one zeroed int32 counter per
+    # CACHE with the combine fused (split_epilogue.merge_splits_if_last): one zeroed int32 counter per
     # (batch, KV head, m_block) tile, (batch * heads_kv + head) * num_m_blocks + m_block; extent 0:
     # the combine kernel merges the splits instead.
     mSemaphores: cute.Tensor | None = None

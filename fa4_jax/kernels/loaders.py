@@ -198,12 +198,31 @@ class KVLoader:
 
 
 @cute.jit
+def _gather_q_row(copy_atom, vec: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], mQ, dst, coords, row,
+                  work, seqlen, problem):
+    """One pass of the pack-GQA Q gather: the thread's chunks (dst: (vec, chunks) of shared memory,
+    coords: their (row, column)) of tile row `row` (absolute: m_block * tile_m + local row), if that
+    row is one of the sequence's. Row r is query r // qhead_per_kv of q-head kv_head * qhead_per_kv +
+    r % qhead_per_kv -- a runtime division, hence no TMA box -- at (seqlen.batch_q,
+    seqlen.offset_q + query) of q."""
+    dtype = mQ.element_type
+    query = row // problem.qhead_per_kv
+    pos = seqlen.offset_q + query
+    if query < seqlen.seqlen_q and pos < mQ.shape[1]:
+        head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
+        start = mQ.iterator + cute.crd2idx((seqlen.batch_q, pos, head, 0), mQ.layout)
+        src_row = cute.make_tensor(cute.make_ptr(dtype, start.toint(), cute.AddressSpace.gmem, assumed_align=16),
+                                   (head_dim,))
+        src = cute.tiled_divide(src_row, (vec,))
+        for k in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            cute.copy(copy_atom, src[None, coords[k][1] // vec], dst[None, k])
+
+
+@cute.jit
 def gather_packed_q(cfg, mQ, sQ, tidx, work, seqlen, problem):
-    """Pack-GQA Q: gather the tile's (query, q-head) rows with 16-byte cp.async by the consumer
-    warpgroups (rows past seqlen_q are left as they are: they only ever feed rows that are not
-    stored), then make them visible to wgmma. Row r of the tile is query r // qhead_per_kv of q-head
-    kv_head * qhead_per_kv + r % qhead_per_kv -- a runtime division, hence no TMA box -- at
-    (seqlen.batch_q, seqlen.offset_q + query) of q."""
+    """Pack-GQA Q on SM90: gather the tile's (query, q-head) rows with 16-byte cp.async by the
+    consumer warpgroups (rows past seqlen_q are left as they are: they only ever feed rows that are
+    not stored), then make them visible to wgmma."""
     dtype = mQ.element_type
     n_threads = 128 * cfg.num_consumer_wg
     copy_atom, tiled, vec = row_copy(dtype, cfg.head_dim, n_threads)
@@ -211,20 +230,32 @@ def gather_packed_q(cfg, mQ, sQ, tidx, work, seqlen, problem):
     tQsQ = thr.partition_D(sQ)
     tQcQ = thr.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
     for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-        row = work.m_block * cfg.tile_m + tQcQ[0, m, 0][0]
-        query = row // problem.qhead_per_kv
-        pos = seqlen.offset_q + query
-        if query < seqlen.seqlen_q and pos < mQ.shape[1]:
-            head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
-            start = mQ.iterator + cute.crd2idx((seqlen.batch_q, pos, head, 0), mQ.layout)
-            src_row = cute.make_tensor(
-                cute.make_ptr(dtype, start.toint(), cute.AddressSpace.gmem, assumed_align=16),
-                (cfg.head_dim,))
-            src = cute.tiled_divide(src_row, (vec,))
-            for k in cutlass.range_constexpr(cute.size(tQsQ, mode=[2])):
-                cute.copy(copy_atom, src[None, tQcQ[0, m, k][1] // vec], tQsQ[None, m, k])
+        _gather_q_row(copy_atom, vec, cfg.head_dim, mQ, tQsQ[None, m, None], tQcQ[0, m, None],
+                      work.m_block * cfg.tile_m + tQcQ[0, m, 0][0], work, seqlen, problem)
     cute.arch.cp_async_commit_group()
     cute.arch.cp_async_wait_group(0)
     # cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_threads)
+
+
+@cute.jit
+def gather_packed_q_warp(tile_rows: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], mQ, sQ, lane, work,
+                         seqlen, problem):
+    """Pack-GQA Q by one warp (SM100's load warp): the tile's first `tile_rows` rows of sQ (an
+    (M, head_dim) view, M >= tile_rows) with 16-byte cp.async, in passes of 32 / threads_per_row
+    rows; only the passes that hold rows of the sequence run (a decode tile has a few). Rows left
+    out keep what shared memory held: they feed only rows that are not stored. The caller waits for
+    the copies and fences them into the async proxy."""
+    dtype = mQ.element_type
+    copy_atom, tiled, vec = row_copy(dtype, head_dim, 32)
+    thr = tiled.get_slice(lane)
+    tQsQ = thr.partition_D(sQ)
+    tQcQ = thr.partition_S(cute.make_identity_tensor(sQ.shape))
+    rows_per_pass = 32 // threads_per_row(dtype, head_dim)
+    rows = cutlass.min(tile_rows, seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * tile_rows)
+    for m in cutlass.range(cute.ceil_div(cutlass.max(rows, 0), rows_per_pass), unroll=1):
+        local = tQcQ[0, m, 0][0]
+        if local < rows:
+            _gather_q_row(copy_atom, vec, head_dim, mQ, tQsQ[None, m, None], tQcQ[0, m, None],
+                          work.m_block * tile_rows + local, work, seqlen, problem)
