@@ -54,8 +54,8 @@ REL_ERR_LIMIT = 2e-2
 
 def kernel_device(family: str = "fwd"):
     """(the first GPU, None) when the default build has kernels of `family` (fa4_jax.families: "fwd",
-    "kvcache", "varlen") for it, else (None, why). A Blackwell GPU has the dense and varlen kernels
-    (opt-in: implementation="fa4" runs them) but no KV-cache kernels yet."""
+    "kvcache", "varlen") for it, else (None, why). A Blackwell GPU has every family's kernels, opt-in:
+    implementation="fa4" runs them (kvcache_page_sizes says which page sizes)."""
     from fa4_jax.core import platform as _platform
     from fa4_jax.families import default_menu, family_of
 
@@ -72,6 +72,19 @@ def kernel_device(family: str = "fwd"):
     if not any(v.arch == arch and family_of(v).name == family for v in default_menu()):
         return None, f"the default build has no {family} kernels for {arch} ({devices[0].device_kind}) yet"
     return devices[0], None
+
+
+def kvcache_page_sizes(device, sizes) -> tuple:
+    """The page sizes of `sizes` that the default build's KV-cache kernels serve on `device`: every
+    size on Hopper; on Blackwell, whose kernels read pages in 16-row pieces only so far, multiples of
+    16 (another size would run cuDNN or the reference, not the kernel being timed)."""
+    from fa4_jax.core import platform as _platform
+    from fa4_jax.families import default_menu
+    from fa4_jax.ops.kvcache.spec import KVCacheVariant, page_rows_for
+
+    arch = _platform.device_arch(device)
+    rows = {v.page_rows for v in default_menu() if isinstance(v, KVCacheVariant) and v.arch == arch and v.paged}
+    return tuple(ps for ps in sizes if page_rows_for(ps) in rows)
 
 
 def _dist_version(name: str) -> str:

@@ -70,7 +70,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import header_lines, kernel_device, short, time_per_call  # noqa: E402
+from benchmark import header_lines, kernel_device, kvcache_page_sizes, short, time_per_call  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
@@ -638,6 +638,7 @@ def main(argv=None) -> int:
     quick = args.quick or device is None
     sz = QUICK if quick else FULL
     sz = dataclasses.replace(sz, rounds=args.rounds or sz.rounds, loop=args.loop or sz.loop)
+    served = kvcache_page_sizes(device, sz.page_sizes) if device is not None else sz.page_sizes
     # "fa4": the kernels or an error, never a silent fallback timed as the kernel. Without a Hopper
     # GPU, None: the platform's choice (the XLA reference on CPU).
     impl = "fa4" if device is not None else None
@@ -648,6 +649,11 @@ def main(argv=None) -> int:
         print(f"NOTE: no fa4_jax KV-cache kernels here ({why}): the --quick sizes run with implementation=None on "
               f"{backend.upper()}{' (the XLA reference)' if backend == 'cpu' else ''}; the timings below are "
               "CPU/reference numbers, not kernel numbers" + ("" if args.quick else " (--quick implied)"))
+    if served != sz.page_sizes:
+        print(f"NOTE: the KV-cache kernels for {device.device_kind} have no page size "
+              f"{', '.join(str(p) for p in sz.page_sizes if p not in served)} (pieces of 16 rows only, so far): "
+              "those rows are left out")
+        sz = dataclasses.replace(sz, page_sizes=served)
     fa4 = FlashAttention4(device)
     print(fa4.line())
     print(f"setting: bf16, heads {H_Q}/{H_KV}, head_dim {D}, causal, shuffled page pools ({POOL_SLACK:g}x the pages "

@@ -9,9 +9,10 @@ exists or `nvidia-smi -L` lists one), or anywhere with FA4_JAX_REQUIRE_GPU=1,
 - a missing or empty kernel library fails every test that needs a kernel (`kernel_variants`);
 - a variant of the default menu missing from the library fails the test that needs it
   (`require_variant`), unless the library was built from an explicitly narrowed menu (FA4_JAX_VARIANTS
-  at build time, recorded in the library's fa4_menu.json), or the GPU's architecture has no kernels of
-  that family at all (Blackwell: dense only, so far) -- the two reasons a kernel case may skip; the
-  skip reason names which.
+  at build time, recorded in the library's fa4_menu.json), or the GPU's architecture has no kernel of
+  that kind (no kernels of the family at all, or -- Blackwell's KV-cache kernels, which read pages in
+  16-row pieces only -- not this one, which another architecture has) -- the reasons a kernel case
+  may skip; the skip reason names which.
 
 GPU tests name the variants they need with `device_arch()` (the GPU's kernel architecture), so the
 same tests run on Hopper and on Blackwell; `validated()` says whether implementation=None may pick
@@ -21,6 +22,7 @@ Without a GPU (a CPU-only CI host) every `gpu` test skips with what was found.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -118,10 +120,16 @@ def require_variant(built, variant) -> None:
 
     family = family_of(variant)
     if not any(v.arch == variant.arch and family_of(v) is family for v in default_menu()):
-        # The device's architecture has no kernels of this family yet (issue 16: Blackwell has the dense
-        # family only); the call would take cuDNN or the reference, which the cuDNN tests cover.
+        # The device's architecture has no kernels of this family yet; the call would take cuDNN or the
+        # reference, which the cuDNN tests cover.
         pytest.skip(f"no {family.name} kernels for {variant.arch} in the default menu yet: {variant.symbol}")
     if variant not in default_menu():
+        kin = [v for v in default_menu() if dataclasses.replace(v, arch=variant.arch) == variant]
+        if kin:
+            # Another architecture has this kind of kernel, the device's not yet (issue 16: Blackwell's
+            # KV-cache kernels read pages in 16-row pieces only); the call would take cuDNN or the reference.
+            pytest.skip(f"{variant.symbol}: {variant.arch} has no kernel of this kind yet ({kin[0].symbol} is "
+                        f"{kin[0].arch}'s)")
         pytest.fail(f"{variant.symbol} is not in the default menu: the test asks for a kernel no build has",
                     pytrace=False)
     spec, where = library_menu()

@@ -487,6 +487,30 @@ def test_resolves_fa4_when_variant_built(hopper):
     assert api.resolve_implementation("fa4", variant_fn(mask="causal")) == "fa4"
 
 
+@pytest.mark.parametrize("capability,kind,arch", [("9.0", "NVIDIA H200", "sm90"), ("10.0", "NVIDIA B200", "sm100")])
+def test_kvcache_dispatch_picks_the_devices_architecture(monkeypatch, capability, kind, arch):
+    # A KV-cache call asks for the variant of the GPU's own architecture (issue 16's SM100 kernels on a
+    # B200, the SM90 ones on an H200); on Blackwell only implementation="fa4" picks it (not validated on
+    # hardware yet), and a page size that is not a multiple of 16 has no SM100 kernel.
+    from fa4_jax.ops.kvcache.spec import KVCacheVariant
+
+    built = [KVCacheVariant(a, "bf16", 128, "local", False, True, 64, rows)
+             for a in ("sm90", "sm100") for rows in ((16, 1) if a == "sm90" else (16,))]
+    module, calls = fake_ffi(built=built)
+    monkeypatch.setitem(sys.modules, "fa4_jax.core.library", module)
+    monkeypatch.setattr(fa4_jax.core, "library", module, raising=False)
+    device = FakeDevice(capability, kind)
+    paged = lambda rows: lambda a: KVCacheVariant(a, "bf16", 128, "local", False, True, 64, rows)  # noqa: E731
+    assert _platform.unavailable_reason(paged(16), device) is None
+    assert calls[-1] == ("prepare", f"fa4_kvcache_{arch}_bf16_hd128_local_paged", 3), calls
+    assert (_platform.unvalidated_reason(device) is None) == (arch == "sm90")
+    reason = _platform.unavailable_reason(paged(1), device)
+    if arch == "sm90":
+        assert reason is None
+    else:
+        assert reason.startswith("the kernel library has no variant fa4_kvcache_sm100_bf16_hd128_local_paged_rows1 "), reason
+
+
 def test_missing_variant(hopper):
     hopper(built=[FwdVariant("sm90", "bf16", 64, "causal", False)])
     q, k, v = make_qkv(9)

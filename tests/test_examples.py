@@ -87,12 +87,12 @@ def _fake_gpu(capability):
 
 
 @pytest.mark.parametrize("capability,family,runs", [
-    ("9.0", "kvcache", True), ("10.0", "fwd", True), ("10.0", "varlen", True), ("10.0", "kvcache", False),
+    ("9.0", "kvcache", True), ("10.0", "fwd", True), ("10.0", "varlen", True), ("10.0", "kvcache", True),
     ("8.0", "fwd", False),
 ])
 def test_benchmarks_measure_only_the_kernels_a_gpu_has(monkeypatch, capability, family, runs):
-    # The benchmarks ask benchmark.kernel_device(family) first: a Blackwell GPU has dense and varlen
-    # kernels (opt-in) but no KV-cache ones yet, so the decode benchmarks say so instead of failing.
+    # The benchmarks ask benchmark.kernel_device(family) first: a Blackwell GPU has every family's
+    # kernels (opt-in); an older GPU none, and the benchmarks say so instead of failing.
     import jax
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -102,8 +102,16 @@ def test_benchmarks_measure_only_the_kernels_a_gpu_has(monkeypatch, capability, 
     monkeypatch.setattr(jax, "devices", lambda platform=None: [gpu])
     device, why = benchmark.kernel_device(family)
     assert (device is gpu) == runs and (why is None) == runs, why
-    if capability == "10.0" and not runs:
-        assert why == "the default build has no kvcache kernels for sm100 (NVIDIA TEST) yet"
+
+
+@pytest.mark.parametrize("capability,served", [("9.0", (1, 5, 16, 48, 64, 100)), ("10.0", (16, 48, 64))])
+def test_serving_benchmark_times_the_page_sizes_the_kernels_serve(capability, served):
+    # Blackwell's KV-cache kernels read pages in 16-row pieces: page sizes 1, 5, 100 would time cuDNN
+    # or the reference instead, so the serving benchmark leaves them out (and says so).
+    sys.path.insert(0, str(ROOT / "examples"))
+    import benchmark
+
+    assert benchmark.kvcache_page_sizes(_fake_gpu(capability), (1, 5, 16, 48, 64, 100)) == served
 
 
 def test_benchmarks_without_a_gpu_say_why():

@@ -20,9 +20,12 @@ from fa4_jax.aot import sass
 
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local"
-# The SM100 attention kernels (fwd_sm100.py): dense, and varlen (the same kernel at per-sequence
-# offsets, whose MMA warp also zeroes V rows past a sequence's last key).
-SM100_SYMBOLS = ("fa4_fwd_sm100_bf16_hd128_causal", "fa4_varlen_sm100_bf16_hd128_causal")
+# The SM100 attention kernels (fwd_sm100.py): dense, varlen (the same kernel at per-sequence
+# offsets, whose MMA warp also zeroes V rows past a sequence's last key), and the KV cache (pack-GQA
+# rows gathered by the load warp, split partials merged by the last split CTA): a decode tile on a
+# contiguous cache and a prefill-chunk tile on a paged one.
+SM100_KVCACHE_SYMBOLS = ("fa4_kvcache_sm100_bf16_hd128_local", "fa4_kvcache_sm100_fp16_hd64_local_softcap_paged_m128")
+SM100_SYMBOLS = ("fa4_fwd_sm100_bf16_hd128_causal", "fa4_varlen_sm100_bf16_hd128_causal", *SM100_KVCACHE_SYMBOLS)
 
 
 def _nvdisasm() -> str:
@@ -90,6 +93,13 @@ def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     assert ops["HGMMA"] == ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
     (res,) = [r for k, r in kernel_resources(sm100_attention_obj).items() if "FlashAttentionForwardSm100" in k]
     assert res.get("frame", 0) == 0, res
+    if sm100_attention_obj.stem in SM100_KVCACHE_SYMBOLS:
+        # The load warp's cp.async gather of the pack-GQA Q rows, and the fused split merge's tile
+        # counter; the same object holds the combine kernel for calls without counters.
+        for op in ("LDGSTS", "ATOMG"):
+            assert ops[op] > 0, (op, sorted(ops.items()))
+        (combine,) = [r for k, r in kernel_resources(sm100_attention_obj).items() if "SplitCombine" in k]
+        assert combine.get("frame", 0) == 0, combine
 
 
 def test_sm100_probe_is_sm100a(sm100_obj):

@@ -120,11 +120,33 @@ def test_variant_outside_the_default_menu_fails(monkeypatch):
         gpu_menu.require_variant(frozenset([HAVE]), LACK)
 
 
-def test_a_family_without_kernels_for_the_gpus_arch_skips():
-    # SM100 has dense kernels only, so far (issue 16): a KV-cache case on a Blackwell GPU skips, naming why.
+def test_a_family_without_kernels_for_the_gpus_arch_skips(monkeypatch):
+    # A family with no kernels for the device's architecture (as the KV-cache family on Blackwell was
+    # before issue 16's SM100 KV-cache kernels): its GPU cases skip, naming why.
+    import fa4_jax.families as families
+
+    menu = tuple(v for v in families.default_menu() if not (v.arch == "sm100" and isinstance(v, KVCacheVariant)))
+    monkeypatch.setattr(families, "default_menu", lambda: menu)
     with pytest.raises(pytest.skip.Exception, match=r"no kvcache kernels for sm100 in the default menu yet: "
                                                     r"fa4_kvcache_sm100_bf16_hd128_local"):
         gpu_menu.require_variant(frozenset([HAVE]), KVCacheVariant("sm100", "bf16", 128, "local", False))
+
+
+def test_a_kernel_kind_the_gpus_arch_lacks_skips():
+    # Blackwell's KV-cache kernels read pages in 16-row pieces only: a page-size-1 case (the one-row
+    # gather, SM90's) skips on a Blackwell GPU, naming the SM90 kernel that exists.
+    rows1 = KVCacheVariant("sm100", "bf16", 128, "local", False, True, 64, 1)
+    assert KVCacheVariant("sm100", "bf16", 128, "local", False, True) in families_menu()
+    with pytest.raises(pytest.skip.Exception, match=r"fa4_kvcache_sm100_bf16_hd128_local_paged_rows1: sm100 has no "
+                                                    r"kernel of this kind yet \(fa4_kvcache_sm90_bf16_hd128_local_"
+                                                    r"paged_rows1 is sm90's\)"):
+        gpu_menu.require_variant(frozenset([HAVE]), rows1)
+
+
+def families_menu():
+    import fa4_jax.families as families
+
+    return families.default_menu()
 
 
 @pytest.mark.parametrize("capability,arch,validated", [("9.0", "sm90", True), ("10.0", "sm100", False)])

@@ -103,3 +103,25 @@ def test_register_budgets_must_fill_the_register_file():
     with pytest.raises(ValueError, match=r"setmaxnreg budgets \(200, 200, 80, 48\) must be multiples of 8 in "
                                          r"\[24, 256\] summing to 512 \(the launch allocation of 512 threads\)"):
         Sm100FwdConfig(128, 2, 3, 200, 80, 48, 0.125)
+
+
+def test_docs_table_is_the_generated_one():
+    from pathlib import Path
+
+    from fa4_jax.kernels import config_sm100
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "SM100.md"
+    text = doc.read_text()
+    assert config_sm100.render_into(text) == text, "docs/SM100.md is stale: python -m fa4_jax.kernels.config_sm100 --write"
+    assert config_sm100.HEAD_DIMS == HEAD_DIMS
+    assert config_sm100.main(["--doc", str(doc)]) == 0
+
+
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_the_kernels_rings_fit(hd):
+    # What fwd_sm100.py allocates today (one Q tile, a K ring and a V ring): within the operand budget,
+    # at least two stages per ring (a block's K and the next one's in flight).
+    cfg = sm100_fwd_config(hd, packed_rows=128)
+    assert 2 <= cfg.ring_stages <= 4
+    assert cfg.kernel_smem_bytes <= SM100_TILE_SMEM_BYTES
+    assert cfg.ring_stages == 4 or cfg.kernel_smem_bytes + 2 * cfg.kv_tile_bytes > SM100_TILE_SMEM_BYTES

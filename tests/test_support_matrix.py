@@ -197,8 +197,11 @@ def test_opt_in_cells():
         entry = support._entry(c["entry_point"])
         v = entry.variant(c["device"], c["dtype"], c["head_dim"], c["mask"], c["softcap"], c["seqlens"], c["page_size"])
         assert c["opt_in"] == (v.symbol in menu), c
-    # Dense and varlen have SM100 kernels; the KV-cache family has none yet (issue 16).
-    assert {c["entry_point"] for c in cells if c["opt_in"]} == {"attention", "attention_varlen"}
+    # Every entry point has SM100 kernels (issue 16), but a paged cache whose page size is not a
+    # multiple of 16 (the one-row gather is SM90's only) has none.
+    assert {c["entry_point"] for c in cells if c["opt_in"]} == {e.name for e in support.ENTRY_POINTS}
+    paged = [c for c in cells if c["page_size"] is not None]
+    assert {c["page_size"] for c in paged if not c["opt_in"]} == {p for p in support.PAGE_SIZES if p % 16}
 
 
 def test_cpu_cells_are_the_reference(default_menu_library):

@@ -86,3 +86,54 @@ def test_varlen_check_catches_a_leak_and_padding():
     assert any("output error" in f for f in failures), failures
     assert "varlen: padding rows past cu_seqlens_q[b] are not o = 0, lse = -inf" in failures
     assert any("NaN in the other sequences' K/V changed it" in f for f in failures), failures
+
+
+class _KVImpl:
+    """fa4_jax with attention_with_kvcache replaced (the reference, or a broken stand-in)."""
+
+    def __init__(self, fn):
+        self.attention_with_kvcache = fn
+
+
+def _reference_kvcache(*a, implementation=None, **kw):
+    return fa4_jax.attention_with_kvcache(*a, implementation="xla", **kw)
+
+
+@pytest.mark.parametrize("paged,tile_m,softcap", [(False, 64, False), (True, 64, True), (True, 128, False)])
+def test_kvcache_check_passes_a_correct_implementation(paged, tile_m, softcap):
+    # The library's reference stands in for the kernel: exact, and it never reads past a length, so
+    # the checker must find nothing, for decode rows and a prefill chunk, contiguous and paged.
+    from fa4_jax.families import KVCacheVariant
+
+    variant = KVCacheVariant("sm100", "bf16", 64, "local", softcap, paged, tile_m)
+    assert tool.check_kvcache_variant(_KVImpl(_reference_kvcache), jax, jnp, variant, seed=5) == []
+
+
+def test_kvcache_check_catches_reads_past_the_lengths():
+    # A stand-in that attends to the whole cache (every slot, valid or not) and gives the empty cache
+    # keys: wrong against the oracle, changed by NaN past the lengths, and not o = 0 for no keys.
+    from fa4_jax.families import KVCacheVariant
+
+    def whole_cache(q, kc, vc, lens, *, page_table=None, implementation=None, **kw):
+        full = jnp.full_like(lens, kc.shape[1])
+        return fa4_jax.attention_with_kvcache(q, kc, vc, full, implementation="xla", **kw)
+
+    failures = tool.check_kvcache_variant(_KVImpl(whole_cache), jax, jnp,
+                                          KVCacheVariant("sm100", "bf16", 64, "local", False), seed=6)
+    assert any("output error" in f for f in failures), failures
+    assert any("an empty cache does not give o = 0, lse = -inf" in f for f in failures), failures
+    assert any("NaN in the slots past the lengths (or in unowned pages) changed the output" in f
+               for f in failures), failures
+
+
+def test_kv_pages_hold_each_sequence_and_mark_what_it_owns():
+    k = np.random.default_rng(0).standard_normal((4, tool.KV_CAPACITY, 2, 8)).astype(np.float32)
+    lens = tool.kv_lengths(3)
+    kp, vp, table, owned = tool.to_pages(k, k, lens, seed=1)
+    per_seq = tool.KV_CAPACITY // tool.KV_PAGE
+    assert table.shape == (4, per_seq) and len(set(table.ravel())) == table.size and kp.shape[0] == table.size + 3
+    for i, n in enumerate(lens):
+        slots = kp[table[i]].reshape(tool.KV_CAPACITY, 2, 8)
+        np.testing.assert_array_equal(slots, k[i])
+        assert owned[table[i]].reshape(-1).sum() == n and owned[table[i]].reshape(-1)[:n].all()
+    assert owned.sum() == lens.sum()

@@ -8,6 +8,7 @@ of them may be switched on (added to VALIDATED_ARCHES, fa4_jax/families/base.py)
     python tools/validate_sm100.py --any-arch     # the same checks of the kernels this GPU runs (a dry
                                                   # run of the script on a Hopper GPU, say)
     python tools/validate_sm100.py --json out.json
+    python tools/validate_sm100.py --family kvcache   # one family's variants (repeatable)
 
 Correctness: for every built variant of the device's architecture in the dense family (dtype x head_dim
 x mask x softcap), random normal inputs of odd sizes (GQA, seqlen_q == seqlen_k and a shorter query
@@ -16,7 +17,11 @@ output finite, then a second call with other inputs (a kernel that keeps state b
 uninitialised shared memory, shows here). For every varlen variant, packed sequences of odd lengths
 (one empty, one of a single token) plus padding rows past cu_seqlens_q[b]: each sequence against the
 oracle, the padding rows o = 0 / lse = -inf, and every other sequence's K/V rows set to NaN must leave
-a sequence's output bit for bit unchanged (the kernel zeroes V rows past a sequence's last key). Speed: causal and non-causal prefill at 16k tokens per call
+a sequence's output bit for bit unchanged (the kernel zeroes V rows past a sequence's last key). For
+every KV-cache variant (check_kvcache_variant), decode rows or a prefill chunk against contiguous or
+paged caches of odd lengths (one empty), causal / windowed / unmasked, with and without splits, each
+sequence against the oracle, and NaN in the slots past the lengths and in unowned pages must leave the
+outputs bit for bit unchanged. Speed: causal and non-causal prefill at 16k tokens per call
 (heads = 2048 / head_dim), TFLOP/s of ours and of cuDNN (`jax.nn.dot_product_attention`).
 
 Verdict per (head_dim, mask, softcap): "switch on" when every case of it passed and, where cuDNN runs
@@ -171,6 +176,96 @@ def check_varlen_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) ->
     return failures
 
 
+KV_CAPACITY = 1008  # keys per sequence's cache: 21 pages of KV_PAGE
+KV_PAGE = 48  # a multiple of the kernels' 16-row page pieces that is not a power of two
+KV_CALLS = ((True, (-1, -1), None), (False, WINDOW, 3), (False, (-1, -1), 1))  # (causal, window, num_splits)
+
+
+def kv_lengths(s_q: int) -> np.ndarray:
+    """cache_seqlens of the KV-cache check: an empty cache, exactly the new queries' keys, a partial
+    last page, a full cache."""
+    return np.asarray([0, s_q, 701, KV_CAPACITY], np.int32)
+
+
+def to_pages(k, v, lens, seed: int):
+    """The contiguous caches (b, KV_CAPACITY, h, d) as a shuffled pool of KV_PAGE-row pages with three
+    pages no sequence owns; returns (k_pages, v_pages, page_table, owned) -- owned: (pages, KV_PAGE)
+    True on the slots some sequence's length covers."""
+    b = k.shape[0]
+    per_seq = KV_CAPACITY // KV_PAGE
+    pool = b * per_seq + 3
+    perm = np.random.default_rng(seed).permutation(pool)
+    table = perm[: b * per_seq].reshape(b, per_seq).astype(np.int32)
+    owned = np.zeros((pool, KV_PAGE), bool)
+    for i, n in enumerate(lens):
+        for slot in range(int(n)):
+            owned[table[i, slot // KV_PAGE], slot % KV_PAGE] = True
+
+    def pages(x):
+        x = np.asarray(x, np.float32).reshape(b * per_seq, KV_PAGE, *x.shape[2:])
+        out = np.random.default_rng(seed + 1).standard_normal((pool, *x.shape[1:])).astype(np.float32)
+        out[table.reshape(-1)] = x
+        return out
+
+    return pages(k), pages(v), table, owned
+
+
+def check_kvcache_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) -> list[str]:
+    """Failures of one KV-cache variant: new queries (pack-GQA rows that pick the variant's query
+    tile) against caches of kv_lengths -- contiguous, or paged with a shuffled page table when the
+    variant is -- for KV_CALLS (causal with automatic splits, a window with forced splits, no mask
+    without splits: the one `local` kernel serves all three); each sequence against the oracle, the
+    empty one o = 0 / lse = -inf, and NaN in every slot past a sequence's length (and in pages no
+    sequence owns) must leave the outputs bit for bit unchanged."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
+    softcap = SOFTCAP if variant.softcap else 0.0
+    h_q, h_k = heads
+    s_q = 3 if variant.tile_m == 64 else 40  # x 4 q-heads per KV head: 12 rows (tile 64), 160 (tile 128)
+    lens = kv_lengths(s_q)
+    b = len(lens)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, s_q, h_q, variant.head_dim), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(kk, (b, KV_CAPACITY, h_k, variant.head_dim), jnp.float32).astype(dtype)
+            for kk in keys[1:])
+    past = np.arange(KV_CAPACITY)[None, :] >= lens[:, None]  # (b, capacity): slots past each length
+    if variant.paged:
+        kp, vp, table, owned = to_pages(k, v, lens, seed)
+        caches = (jnp.asarray(kp, dtype), jnp.asarray(vp, dtype))
+        poisoned = tuple(jnp.asarray(np.where(owned[:, :, None, None], x, np.nan), dtype) for x in (kp, vp))
+        table = jnp.asarray(table)
+    else:
+        caches, table = (k, v), None
+        poisoned = tuple(jnp.where(jnp.asarray(past)[:, :, None, None], jnp.asarray(np.nan, dtype), x) for x in (k, v))
+    failures = []
+    for causal, window, splits in KV_CALLS:
+        fn = jax.jit(lambda q, kc, vc: fa4_jax.attention_with_kvcache(
+            q, kc, vc, jnp.asarray(lens), page_table=table, causal=causal, window_size=window, softcap=softcap,
+            num_splits=splits, return_lse=True, implementation="fa4"))
+        what = f"kvcache {'causal' if causal else f'window {window}'}, splits {splits or 'auto'}"
+        try:
+            o, lse = (np.asarray(x, np.float32) for x in jax.block_until_ready(fn(q, *caches)))
+            o_p, lse_p = (np.asarray(x, np.float32) for x in jax.block_until_ready(fn(q, *poisoned)))
+        except Exception as e:  # noqa: BLE001 - an FFI error is a finding
+            return failures + [f"{what}: the call failed: {str(e).splitlines()[0][:120]}"]
+        for i, n in enumerate(lens):
+            if n == 0:
+                if (o[i] != 0).any() or not (lse[i] == -np.inf).all():
+                    failures.append(f"{what}: an empty cache does not give o = 0, lse = -inf")
+                continue
+            if not (np.isfinite(o[i]).all() and np.isfinite(lse[i]).all()):
+                failures.append(f"{what}, sequence {i} ({n} keys): non-finite output")
+                continue
+            ref_o, ref_lse = oracle(q[i][None], k[i, :n][None], v[i, :n][None], np.arange(s_q), causal, window,
+                                    softcap, heads=h_q)
+            err = np.abs(o[i] - ref_o).max() / max(np.abs(ref_o).max(), 1e-30)
+            lse_err = np.abs(lse[i] - ref_lse).max()
+            if err > REL_ERR_LIMIT or lse_err > LSE_ATOL:
+                failures.append(f"{what}, sequence {i} ({n} keys): output error {err:.2e}, LSE error {lse_err:.2e}")
+        if not (np.array_equal(o_p, o) and np.array_equal(lse_p, lse)):
+            failures.append(f"{what}: NaN in the slots past the lengths (or in unowned pages) changed the output")
+    return failures
+
+
 def speed_rows(fa4_jax, jax, jnp, head_dim: int, causal: bool, seqlens, time_per_call) -> list[tuple]:
     """(seqlen, ours TFLOP/s, cuDNN TFLOP/s or None) of bf16 prefill at 16k tokens per call."""
     out = []
@@ -197,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--any-arch", action="store_true", help="check the kernels of whatever GPU this is")
     ap.add_argument("--quick", action="store_true", help="one shape per variant, two timed sequence lengths")
     ap.add_argument("--json", default=None, help="write every result here too")
+    ap.add_argument("--family", action="append", choices=("fwd", "varlen", "kvcache"),
+                    help="check only this family's variants (repeatable; default: all three)")
     args = ap.parse_args(argv)
 
     import jax
@@ -205,7 +302,7 @@ def main(argv=None) -> int:
     import fa4_jax
     from benchmark import time_per_call
     from fa4_jax.core import library, platform
-    from fa4_jax.families import VALIDATED_ARCHES, FwdVariant, VarlenVariant
+    from fa4_jax.families import VALIDATED_ARCHES, FwdVariant, KVCacheVariant, VarlenVariant
 
     device = jax.devices()[0]
     arch = platform.device_arch(device) if device.platform == "gpu" else None
@@ -223,19 +320,31 @@ def main(argv=None) -> int:
         return 1
     varlen = sorted((v for v in library.compiled_variants() if type(v) is VarlenVariant and v.arch == arch),
                     key=lambda v: v.symbol)
+    kvcache = sorted((v for v in library.compiled_variants() if type(v) is KVCacheVariant and v.arch == arch),
+                     key=lambda v: v.symbol)
+    if args.quick:  # the decode tile of each configuration, contiguous and paged (16-row pieces)
+        kvcache = [v for v in kvcache if v.tile_m == 64 and v.page_rows == 16]
+    families = set(args.family or ("fwd", "varlen", "kvcache"))
+    checked_dense = variants if "fwd" in families else []
+    varlen = varlen if "varlen" in families else []
+    kvcache = kvcache if "kvcache" in families else []
     print(f"{device.device_kind}, arch {arch} ({'validated' if arch in VALIDATED_ARCHES else 'opt-in'}), "
-          f"{len(variants)} dense and {len(varlen)} varlen variants, jax {jax.__version__}")
+          f"{len(checked_dense)} dense, {len(varlen)} varlen and {len(kvcache)} KV-cache variants, jax {jax.__version__}")
 
     shapes = [(2, 333, 333, 8, 2)] if args.quick else [(2, 333, 333, 8, 2), (1, 77, 1000, 4, 4), (3, 1, 517, 8, 1)]
     failures = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time "not yet validated" warning of the opt-in kernels
-        for i, variant in enumerate(variants):
+        for i, variant in enumerate(checked_dense):
             failures[variant.symbol] = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
             status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
             print(f"  {variant.symbol:<44} {status}", flush=True)
         for i, variant in enumerate(varlen):
             failures[variant.symbol] = check_varlen_variant(fa4_jax, jax, jnp, variant, seed=1000 + i)
+            status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
+            print(f"  {variant.symbol:<44} {status}", flush=True)
+        for i, variant in enumerate(kvcache):
+            failures[variant.symbol] = check_kvcache_variant(fa4_jax, jax, jnp, variant, seed=2000 + i)
             status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
             print(f"  {variant.symbol:<44} {status}", flush=True)
 
@@ -244,8 +353,9 @@ def main(argv=None) -> int:
         for hd in sorted({v.head_dim for v in variants if v.dtype == "bf16" and not v.softcap}):
             for causal in (False, True):
                 mask = "causal" if causal else "full"
-                if not any(v.head_dim == hd and v.mask == mask and v.dtype == "bf16" and not v.softcap
-                           for v in variants) or failures.get(FwdVariant(arch, "bf16", hd, mask, False).symbol):
+                if "fwd" not in families or not any(
+                        v.head_dim == hd and v.mask == mask and v.dtype == "bf16" and not v.softcap
+                        for v in variants) or failures.get(FwdVariant(arch, "bf16", hd, mask, False).symbol):
                     continue
                 speeds[(hd, mask)] = speed_rows(fa4_jax, jax, jnp, hd, causal, seqlens, time_per_call)
 
@@ -254,18 +364,20 @@ def main(argv=None) -> int:
         cells = "  ".join(f"{s // 1024}k {o:5.0f} / {'  -  ' if c is None else f'{c:5.0f}'}" for s, o, c in rows)
         print(f"  hd{hd:<4} {mask:<7} {cells}")
 
-    print("\nverdict per configuration (every dtype's dense and varlen variant must pass):")
-    configs = sorted({(v.head_dim, v.mask, v.softcap) for v in variants})
+    print("\nverdict per configuration (every dtype's dense, varlen and -- for `local` -- KV-cache variant must "
+          "pass):")
+    checked = checked_dense + varlen + kvcache
+    configs = sorted({(v.head_dim, v.mask, v.softcap) for v in checked})
     verdicts = {}
     for hd, mask, softcap in configs:
-        fails = [f for v in variants + varlen if (v.head_dim, v.mask, v.softcap) == (hd, mask, softcap)
+        fails = [f for v in checked if (v.head_dim, v.mask, v.softcap) == (hd, mask, softcap)
                  for f in failures[v.symbol]]
         ratios = [o / c for _, o, c in speeds.get((hd, mask), ()) if c] if not softcap else []
         verdicts[f"hd{hd}_{mask}{'_softcap' if softcap else ''}"] = verdict(fails, ratios)
     for name, text in verdicts.items():
         print(f"  {name:<22} {text}")
     bad = [s for s, f in failures.items() if f]
-    print(f"\n{len(variants) + len(varlen) - len(bad)} of {len(variants) + len(varlen)} variants correct. "
+    print(f"\n{len(checked) - len(bad)} of {len(checked)} variants correct. "
           + ("Switching on means adding the architecture to VALIDATED_ARCHES (fa4_jax/families/base.py) and "
              "rebuilding; record this screen in the commit." if arch not in VALIDATED_ARCHES else ""))
     if args.json:

@@ -3,8 +3,9 @@
 Each kernel family has one entry module (fwd, varlen, kvcache) whose `compile_variant(variant)` builds
 the fake tensors of the family's exported C ABI (fa4_jax/ops/<family>/spec.py) and compiles one variant
 GPU-blind; the AOT exporter (fa4_jax.aot) finds it through `KernelFamily.compile`. Every family is
-one configuration of one forward kernel per architecture (fwd_sm90), switched at its seams
-(seams.py): `tile_problem` and `seqlen` (sequence lengths), `loaders` (Q, K/V), `tile_scheduler`,
-`epilogue_sm90` and `combine_sm90` (O). Shared pieces: `common` (fake tensors, compile options),
-`config`, `block_info`, `mask`, `softmax`, `named_barrier`, `utils`.
+one configuration of one forward kernel per architecture (fwd_sm90; fwd_sm100 on Blackwell, with
+config_sm100 and exp2_fma), switched at its seams (seams.py): `tile_problem` and `seqlen` (sequence
+lengths), `loaders` (Q, K/V), `tile_scheduler`, `epilogue_sm90`, `split_epilogue` and `combine_sm90`
+(O). Shared pieces: `common` (fake tensors, compile options), `config`, `block_info`, `mask`,
+`softmax`, `named_barrier`, `utils`.
 """

@@ -16,7 +16,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 _LOG2E = 1.4426950408889634
 # One warp per output row, four rows per CTA.
@@ -48,10 +48,12 @@ def _load_partials(buf_o: cute.Tensor, buf_lse: cute.Tensor, mOaccum: cute.Tenso
 @cute.jit
 def merge_row(mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
               mSinks: cute.Tensor, num_splits: Int32, batch: Int32, query: Int32, head: Int32, lane: Int32,
-              head_dim: cutlass.Constexpr[int]):
-    """One warp merges the num_splits partials of row (batch, query, head) into mO / mLSE."""
+              head_dim: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int] = 0):
+    """One warp merges the num_splits partials of row (batch, query, head) into mO / mLSE, loading
+    `chunk` splits' partials together (0: merge_chunk(head_dim); fewer where registers are scarcer)."""
     per_lane = head_dim // 32
-    chunk = merge_chunk(head_dim)
+    if const_expr(chunk == 0):
+        chunk = merge_chunk(head_dim)
     # The first chunk of partials goes out before the LSE reduction, so that both arrive together.
     buf_o = cute.make_rmem_tensor(chunk * per_lane, Float32)
     buf_lse = cute.make_rmem_tensor(chunk, Float32)

@@ -168,6 +168,19 @@ class Sm100FwdConfig:
         return self.tile_n * self.head_dim * 2
 
     @property
+    def ring_stages(self) -> int:
+        """K/V stages of the kernel as it runs today (fwd_sm100.py, one Q tile per CTA): a K ring and a
+        V ring of this many tiles each, together what shared memory holds beside the Q tile (O leaves
+        from registers: no staging tile), capped at 4."""
+        q_bytes = self.tile_m * self.head_dim * 2
+        return min((SM100_TILE_SMEM_BYTES - q_bytes) // (2 * self.kv_tile_bytes), 4)
+
+    @property
+    def kernel_smem_bytes(self) -> int:
+        """The operand tiles the kernel allocates: one Q tile and the two rings."""
+        return self.tile_m * self.head_dim * 2 + 2 * self.ring_stages * self.kv_tile_bytes
+
+    @property
     def tile_smem_bytes(self) -> int:
         """Q tiles, an O staging tile per Q tile (the epilogue's TMA store) unless O reuses Q's, the
         K/V ring."""
@@ -208,3 +221,64 @@ def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdC
     fraction = {64: 0.25, 96: 0.1875, 128: 0.125}.get(head_dim, 0.0)
     return Sm100FwdConfig(head_dim, q_stage, _kv_stages(head_dim, q_stage, tile_n, o_over_q), softmax, correction,
                           other, fraction, tile_n=tile_n, o_over_q=o_over_q)
+
+
+# ------------------------------------------------------------------------------------------------
+# docs/SM100.md's resource table: generated from this file (python -m fa4_jax.kernels.config_sm100
+# --write), checked by tests/test_sm100_config.py. The measured side (registers, stack frames of the
+# compiled kernels) is tools/cubin_resources.py's and tests/test_sass.py's.
+# ------------------------------------------------------------------------------------------------
+TABLE_BEGIN = "<!-- sm100-resources:begin (generated: python -m fa4_jax.kernels.config_sm100 --write) -->"
+TABLE_END = "<!-- sm100-resources:end -->"
+HEAD_DIMS = (64, 96, 128, 192, 256)  # fa4_jax.ops.fwd.spec.HEAD_DIMS (not imported: keeps this file stdlib-only)
+
+
+def resources_table() -> str:
+    """One row per head dim of the configuration every SM100 kernel compiles today (one Q tile per
+    CTA: sm100_fwd_config(head_dim, packed_rows=128))."""
+    lines = [
+        "| head_dim | Q tile × K/V tile | K ring + V ring | operand smem (limit) | TMEM columns (alloc, limit) "
+        "| setmaxnreg: softmax / correction / MMA, load | FMA-pipe exp2 share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for hd in HEAD_DIMS:
+        cfg = sm100_fwd_config(hd, packed_rows=128)
+        lines.append(
+            f"| {hd} | {cfg.tile_m} × {cfg.tile_n} | {cfg.ring_stages} + {cfg.ring_stages} "
+            f"| {cfg.kernel_smem_bytes // 1024} KB ({SM100_TILE_SMEM_BYTES // 1024} KB) "
+            f"| {cfg.tmem_columns} ({cfg.tmem_alloc_columns}, {TMEM_COLUMNS}) "
+            f"| {cfg.softmax_regs} / {cfg.correction_regs} / {cfg.other_regs} "
+            f"| {cfg.exp2_fma_fraction:g} |")
+    return "\n".join(lines)
+
+
+def render_into(text: str) -> str:
+    """`text` with the table between its markers replaced by resources_table()."""
+    head, sep, rest = text.partition(TABLE_BEGIN)
+    _, sep2, tail = rest.partition(TABLE_END)
+    if not (sep and sep2):
+        raise ValueError(f"no {TABLE_BEGIN!r} ... {TABLE_END!r} markers")
+    return f"{head}{TABLE_BEGIN}\n{resources_table()}\n{TABLE_END}{tail}"
+
+
+def main(argv=None) -> int:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="Regenerate docs/SM100.md's resource table.")
+    parser.add_argument("--doc", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "SM100.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the table in place (default: check it)")
+    args = parser.parse_args(argv)
+    text = args.doc.read_text()
+    fresh = render_into(text)
+    if args.write:
+        args.doc.write_text(fresh)
+        return 0
+    if fresh != text:
+        print(f"{args.doc}: the SM100 resource table is stale: python -m fa4_jax.kernels.config_sm100 --write")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

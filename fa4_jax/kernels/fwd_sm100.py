@@ -29,9 +29,10 @@ tensor core runs one thread's MMAs in order: so P in the upper half of S is read
 overwritten, without a barrier.
 
 Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
-conventions (block_info.py, softmax.py). Not yet (the next steps, measured on hardware first): two Q
+conventions (block_info.py, softmax.py). The family a kernel serves is its `FwdSeams` (seams.py), as
+for fwd_sm90: dense, varlen or KV cache. Not yet (the next steps, measured on hardware first): two Q
 tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent longest-first
-scheduling, TMA store of O, and the KV-cache seams.
+scheduling, TMA store of O, one-row page pieces (page sizes that are not multiples of 16).
 
 Varlen (call_varlen, `varlen=True`): the same kernel on packed (total, h, d) tensors. A tile (m_block,
 head, sequence) reads its sequence's lengths from cu_seqlens (keys clamped to the sequence's own, as
@@ -40,6 +41,24 @@ into the next sequence's rows, which only feed masked scores (K), rows not store
 the MMA warp zeroes in shared memory before the block's P.V gemm (_clear_v_keys: P = 0 there, but
 0 * NaN = NaN in the tensor core). The grid has one more "sequence", whose tiles write the rows past
 cu_seqlens_q[b] (o = 0, lse = the sink), striding over them.
+
+KV cache (call_kvcache, FwdSeams.kvcache; the family's C ABI, the same as fwd_sm90's): one CTA per
+(m_block, KV head, sequence, split) tile, numbered as fwd_sm90's split scheduler numbers them
+(tile_scheduler.py, tile_problem.py: cache_seqlens clamped to the capacity, a ragged batch's rows
+from cu_seqlens_q and its tile list), so the handler's grid, workspace and tile counters serve both
+architectures. A tile's rows are pack-GQA rows (query, q-head of the KV head), tile_rows of them
+(the variant's tile_m, 64 or 128; the MMA runs 128 rows either way). The load warp issues the first
+K block, gathers the tile's Q rows with cp.async (a runtime division maps rows to q rows: no TMA box)
+and hands them to the MMA warp through an mbarrier, then streams K/V blocks by TMA: whole blocks from
+a contiguous cache, 16-row pieces from the pages a page table names (loaders.KVLoader, as on SM90).
+The operands live in (rows, head_dim) shared-memory views that the gathers and page pieces address;
+the MMA warp partitions the same views into its operands (_mma_operands). V rows past a sequence's
+last key are zeroed before that block's P.V gemm (cache slots past a length may hold anything). The
+softmax hands each row's LSE to the correction warpgroup, which stores O and the LSE -- the final
+ones, or a split's float32 partials -- and, with the combine fused, counts the tile's splits in and
+lets the last one merge them (split_epilogue.py); without tile counters the combine kernel follows.
+Each role finds its tile itself after its setmaxnreg (_cache_tile): values computed before the role
+split stay live into every role and spilled.
 """
 
 from __future__ import annotations
@@ -59,14 +78,18 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import TmemAllocator
 
+from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
+from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig
 from fa4_jax.kernels.exp2_fma import exp2_fma
-from fa4_jax.kernels.seams import Seqlens
+from fa4_jax.kernels.loaders import PAGE_ROWS, KVLoader, gather_packed_q_warp, row_thread_layout
+from fa4_jax.kernels.seams import FwdSeams, KVLoad, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_problem import TileProblem
-from fa4_jax.kernels.utils import permute_modes
+from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
+from fa4_jax.kernels.utils import permute_modes, transpose_2d
 
 _LOG2E = 1.4426950408889634
 # The warps of one Q tile per CTA (config_sm100.WARP_ROLES_BY_Q_STAGE[1]).
@@ -78,6 +101,11 @@ _TMEM_THREADS = 32 * (1 + len(_ROLES["softmax0"]) + len(_ROLES["correction"]))
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1
 _BAR_TMEM_FREE = 2
+_BAR_EPILOGUE = 3  # KV cache: the correction warpgroup's split merge (split_epilogue)
+_CORRECTION_THREADS = 32 * len(_ROLES["correction"])
+# Splits whose partials one correction warp holds at once in the fused merge: 16 (combine_sm90's
+# default at head_dim <= 128) spilled at the correction warpgroup's 152-168 registers.
+_MERGE_CHUNK = 8
 
 
 def _tcgen05_fence_before():
@@ -97,7 +125,8 @@ def _tmem_base(tmem: TmemAllocator):
 
 
 class FlashAttentionForwardSm100:
-    def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool, varlen: bool = False):
+    def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None,
+                 tile_rows: int | None = None, page_rows: int = PAGE_ROWS):
         if cfg.q_stage != 1:
             raise NotImplementedError("the first SM100 kernel runs one Q tile per CTA (q_stage 1)")
         if mask not in ("full", "causal", "local"):
@@ -105,13 +134,30 @@ class FlashAttentionForwardSm100:
         self.cfg = cfg
         self.mask = mask
         self.softcap = softcap
+        self.seams = FwdSeams.dense() if seams is None else seams
         # Varlen (call_varlen): the same kernel on packed (total, h, d) tensors, each tile at its
         # sequence's offsets (as fwd_sm90.py's FwdSeams.varlen); see _varlen_seqlen.
-        self.varlen = varlen
+        self.varlen = self.seams.seqlens is Seqlens.VARLEN
+        # KV cache (call_kvcache): pack-GQA tiles of one KV head against a contiguous or paged cache,
+        # split-KV; see the module docstring.
+        self.cache = self.seams.seqlens is Seqlens.CACHE
+        self.paged = self.seams.kv_load is KVLoad.PAGED
+        # The query rows a tile owns: the MMA's 128 (cfg.tile_m), or fewer for a KV-cache variant
+        # whose tile_m is 64 (the family's decode tile, which the handler's grid and tile counters
+        # count in): the MMA still runs 128 rows, the upper ones belong to no row and are not stored.
+        self.tile_rows = cfg.tile_m if tile_rows is None else tile_rows
+        if not 0 < self.tile_rows <= cfg.tile_m:
+            raise ValueError(f"tile_rows must be in [1, {cfg.tile_m}]: {self.tile_rows=}")
+        if self.tile_rows != cfg.tile_m and not self.cache:
+            raise ValueError("fewer tile rows than the MMA's are a KV-cache tile only")
+        if self.paged and page_rows != PAGE_ROWS:
+            raise NotImplementedError(f"the SM100 KV-cache kernel reads pages in {PAGE_ROWS}-row TMA pieces; "
+                                      f"one-row pieces (page sizes that are not multiples of {PAGE_ROWS}) have "
+                                      "no SM100 kernel yet")
+        self.page_rows = page_rows
         # Separate K and V rings, each half of what the shared memory holds beside Q (O leaves
-        # from registers in this version: no staging tile).
-        q_bytes = cfg.tile_m * cfg.head_dim * 2
-        self.stages = min((224 * 1024 - q_bytes) // (2 * cfg.kv_tile_bytes), 4)
+        # from registers in this version: no staging tile): config_sm100's ring_stages.
+        self.stages = cfg.ring_stages
         if self.stages < 2:
             raise ValueError(f"{cfg.head_dim=}: fewer than two K/V stages fit")
 
@@ -134,8 +180,8 @@ class FlashAttentionForwardSm100:
         max_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        if const_expr(self.varlen):
-            raise TypeError("this kernel is configured for varlen tensors: call_varlen")
+        if const_expr(self.seams.seqlens is not Seqlens.DENSE):
+            raise TypeError(f"this kernel is configured for {self.seams}, not dense tensors")
         # Q, K, O: (s, d, h, b), head_dim contiguous (K-major operands); V: (d, s, h, b), the P.V
         # gemm's B operand with N = head_dim contiguous (MN-major).
         mQ, mK, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
@@ -167,7 +213,7 @@ class FlashAttentionForwardSm100:
         stream: cuda.CUstream,
     ):
         if const_expr(not self.varlen):
-            raise TypeError("this kernel is configured for dense tensors: call_dense")
+            raise TypeError(f"this kernel is configured for {self.seams}, not varlen tensors")
         # (t, h, d) -> (t, d, h); V: (d, t, h). A tile reads its sequence's rows at the sequence's
         # offset (domain_offset in `load`); LSE stays (h, t).
         mQ, mK, mO = [permute_modes(t, [0, 2, 1]) for t in (mQ, mK, mO)]
@@ -178,6 +224,92 @@ class FlashAttentionForwardSm100:
         self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
                     Int32(0), Int32(0), num_m_blocks, tiles, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
                     mCuSeqlensQ.shape[0] - 1, stream)
+
+    @cute.jit
+    def call_kvcache(
+        self,
+        mQ: cute.Tensor,  # (qb, s_q, h_q, d): (b, s_q, h_q, d), or ragged (1, total_q, h_q, d)
+        mK: cute.Tensor,  # contiguous (b, capacity, h_k, d) | paged (num_pages, page_size, h_k, d)
+        mV: cute.Tensor,
+        mPageTable: cute.Tensor,  # (b, max_pages) int32 (paged only)
+        mSeqlensK: cute.Tensor,  # (b,) int32
+        mCuSeqlensQ: cute.Tensor,  # (b + 1,) int32 (ragged only)
+        mTileList: cute.Tensor,  # (2 * n_listed,) int32 (sequence, m_block) pairs (ragged, n_listed > 0)
+        mO: cute.Tensor,  # (qb, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (qb, h_q, s_q) float32
+        mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
+        mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
+        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): a combine launch
+        softmax_scale_log2: Float32,
+        softcap_prescale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        num_splits: Int32,
+        ragged: Int32,  # 1: sequence b's rows are [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of s_q
+        max_seqlen_q: Int32,  # bounds every sequence's rows (s_q when not ragged): the grid
+        n_listed: Int32,  # > 0: the grid is mTileList's tiles (ops/kvcache/tiles.py), else every m-block
+        stream: cuda.CUstream,
+    ):
+        """The KV-cache family's C ABI (the same as fwd_sm90's call_kvcache): one CTA per (m_block, KV
+        head, sequence, split) tile, as the handler (ffi/kvcache.cc) sizes the workspace and the tile
+        counters for; with splits and no counters, the combine kernel follows."""
+        if const_expr(not self.cache):
+            raise TypeError(f"this kernel is configured for {self.seams}, not a KV cache")
+        cfg = self.cfg
+        dtype = mQ.element_type
+        self.dtype = dtype
+        if const_expr(not (dtype == mK.element_type == mV.element_type == mO.element_type)):
+            raise TypeError("q, k, v and o must share one dtype")
+        # K/V: (rows, d, h_k, batch-or-page), head_dim contiguous, for TMA. Q, O and LSE keep their
+        # layout: pack-GQA rows are gathered and stored one by one.
+        mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
+        qhead_per_kv = mQ.shape[2] // mK.shape[2]
+        num_m_blocks = cute.ceil_div(max_seqlen_q * qhead_per_kv, self.tile_rows)
+        batches = mSeqlensK.shape[0] + ragged
+        listed = cutlass.min(n_listed, 1)
+        tiles = (listed * n_listed + (1 - listed) * num_m_blocks * batches) * mK.shape[2] * num_splits
+
+        tiled_mma_qk, tiled_mma_pv, _, mma_pv = self._tiled_mmas(dtype)
+        # Row views of the operands (rows, head_dim), head_dim contiguous, as the row gathers and the
+        # paged TMA pieces address them; the MMA warp partitions the same views (mma_operands).
+        major_k = cute.nvgpu.OperandMajorMode.K
+        sQ_layout = sm100_utils.make_smem_layout(major_k, (cfg.tile_m, cfg.head_dim), dtype, 1)
+        sKV_layout = sm100_utils.make_smem_layout(major_k, (cfg.tile_n, cfg.head_dim), dtype, self.stages)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_pv, dtype, 1)
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        kv_tile = cute.select(sKV_layout, mode=[0, 1])
+        self.kv_bytes = cute.size_in_bytes(dtype, kv_tile)
+        # A paged block is tile_n / page_rows TMA pieces, each into its rows of the stage's tile.
+        box_rows = self.page_rows if const_expr(self.paged) else cfg.tile_n
+        kv_box = cute.composition(kv_tile, (box_rows, cfg.head_dim)) if const_expr(self.paged) else kv_tile
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_box, (box_rows, cfg.head_dim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_box, (box_rows, cfg.head_dim), 1)
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, None, mQ, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
+            softmax_scale_log2, softcap_prescale, window_left, window_right, Int32(0), Int32(0), qhead_per_kv,
+            num_m_blocks, mCuSeqlensQ, None, None, mSeqlensK.shape[0],
+            sQ_layout, sKV_layout, sKV_layout, tP_layout,
+            mPageTable, mSeqlensK, mOaccum, mLSEaccum, mTileList, mSemaphores, num_splits, mK.shape[0], ragged, n_listed,
+        ).launch(grid=[tiles, 1, 1], block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        if num_splits > 1:
+            # Without tile counters (ffi/kvcache.cc could not give any) a second kernel merges the splits.
+            if mSemaphores.shape[0] == 0:
+                rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
+                SplitCombineSm90(cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits, stream)
+
+    def _tiled_mmas(self, dtype):
+        """(tiled_mma_qk, tiled_mma_pv, their MNK tiles): S = Q K^T with both operands K-major from
+        shared memory; O = P V with P from Tensor Memory and V (keys, head_dim) read MN-major."""
+        cfg = self.cfg
+        mma_qk = (cfg.tile_m, cfg.tile_n, cfg.head_dim)
+        mma_pv = (cfg.tile_m, cfg.head_dim, cfg.tile_n)
+        major_k, major_mn = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dtype, dtype, major_k, major_k, Float32,
+                                                          tcgen05.CtaGroup.ONE, mma_qk[:2])
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dtype, dtype, major_k, major_mn, Float32,
+                                                          tcgen05.CtaGroup.ONE, mma_pv[:2], tcgen05.OperandSource.TMEM)
+        return tiled_mma_qk, tiled_mma_pv, mma_qk, mma_pv
 
     @cute.jit
     def launch(self, mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
@@ -191,14 +323,8 @@ class FlashAttentionForwardSm100:
         if const_expr(not (dtype == mK.element_type == mVt.element_type == mO.element_type)):
             raise TypeError("q, k, v and o must share one dtype")
 
-        mma_qk = (cfg.tile_m, cfg.tile_n, cfg.head_dim)
-        mma_pv = (cfg.tile_m, cfg.head_dim, cfg.tile_n)
-        major_k, major_mn = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(dtype, dtype, major_k, major_k, Float32,
-                                                          tcgen05.CtaGroup.ONE, mma_qk[:2])
         # P comes from Tensor Memory (the A operand), V from shared memory.
-        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(dtype, dtype, major_k, major_mn, Float32,
-                                                          tcgen05.CtaGroup.ONE, mma_pv[:2], tcgen05.OperandSource.TMEM)
+        tiled_mma_qk, tiled_mma_pv, mma_qk, mma_pv = self._tiled_mmas(dtype)
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_qk, dtype, 1)
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_qk, dtype, self.stages)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_pv, dtype, self.stages)
@@ -220,7 +346,7 @@ class FlashAttentionForwardSm100:
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
             softmax_scale_log2, softcap_prescale, window_left, window_right, seqlen_q, seqlen_k,
             mQ.shape[2] // mK.shape[2], num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch,
-            sQ_layout, sK_layout, sV_layout, tP_layout,
+            sQ_layout, sK_layout, sV_layout, tP_layout, None, None, None, None, None, None, None, None, None, None,
         ).launch(grid=[tiles, 1, 1], block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
@@ -231,14 +357,14 @@ class FlashAttentionForwardSm100:
         self,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
-        tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,
+        tma_atom_Q: Optional[cute.CopyAtom],  # None: the KV cache's pack-GQA rows, gathered (load_cache)
+        mQ: cute.Tensor,  # TMA coordinates; KV cache: q itself, (qb, s_q, h_q, d)
         tma_atom_K: cute.CopyAtom,
         mK: cute.Tensor,
         tma_atom_V: cute.CopyAtom,
-        mVt: cute.Tensor,
-        mO: cute.Tensor,  # (s_q, d, h_q, b); varlen (total_q, d, h_q)
-        mLSE: cute.Tensor,  # (s_q, h_q, b); varlen (h_q, total_q)
+        mVt: cute.Tensor,  # V's TMA coordinates: (d, rows, ...); KV cache (rows, d, h_k, batch-or-page)
+        mO: cute.Tensor,  # (s_q, d, h_q, b); varlen (total_q, d, h_q); KV cache (qb, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (s_q, h_q, b); varlen (h_q, total_q); KV cache (qb, h_q, s_q)
         mSinks: cute.Tensor,
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
@@ -248,14 +374,24 @@ class FlashAttentionForwardSm100:
         seqlen_k: Int32,
         qhead_per_kv: Int32,
         num_m_blocks: Int32,
-        mCuSeqlensQ: Optional[cute.Tensor],  # varlen only
-        mCuSeqlensK: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen; a ragged KV-cache batch
+        mCuSeqlensK: Optional[cute.Tensor],  # varlen only
         mSequsedK: Optional[cute.Tensor],
-        num_batch: Int32,  # varlen: sequences (the grid has one more "batch": the padding rows)
+        num_batch: Int32,  # varlen, KV cache: sequences (a varlen grid has one more "batch": the padding rows)
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
+        mPageTable: Optional[cute.Tensor],  # KV cache only, from here on (call_kvcache)
+        mSeqlensK: Optional[cute.Tensor],
+        mOaccum: Optional[cute.Tensor],
+        mLSEaccum: Optional[cute.Tensor],
+        mTileList: Optional[cute.Tensor],
+        mSemaphores: Optional[cute.Tensor],
+        num_splits: Optional[Int32],
+        kv_len: Optional[Int32],  # contiguous: capacity; paged: page_size
+        ragged: Optional[Int32],
+        n_listed: Optional[Int32],
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -263,25 +399,20 @@ class FlashAttentionForwardSm100:
         # A one-dimensional grid, m-blocks fastest: gridDim.y and .z stop at 65535, which heads x batch
         # (vmap folds its axis into the batch) easily pass (as in tile_scheduler.py).
         tile = cute.arch.block_idx()[0]
-        m_block = tile % num_m_blocks
-        head = (tile // num_m_blocks) % mO.shape[2]
-        batch = tile // (num_m_blocks * mO.shape[2])
-        head_kv = head // qhead_per_kv
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            mbar_s: cute.struct.MemRange[cutlass.Int64, 4]
-            mbar_p: cute.struct.MemRange[cutlass.Int64, 4]
-            mbar_o: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_scale: cute.struct.MemRange[cutlass.Int64, 4]
-            tmem_holding: Int32
-            row_scale: cute.struct.MemRange[Float32, 2 * 128]
+        cache_args = None
+        if const_expr(self.cache):
+            # Each role finds its tile itself (_cache_tile), after its setmaxnreg: values computed
+            # here would stay live into every role's branch, which spilled them.
+            cache_args = (mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mTileList, window_left, window_right, num_splits,
+                          kv_len, num_m_blocks, ragged, n_listed, mSemaphores, qhead_per_kv, num_batch)
+        else:
+            m_block = tile % num_m_blocks
+            head = (tile // num_m_blocks) % mO.shape[2]
+            batch = tile // (num_m_blocks * mO.shape[2])
+            head_kv = head // qhead_per_kv
 
         smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = smem.allocate(self._shared_storage())
         dtype = mO.element_type  # mQ, mK, mVt are TMA coordinate tensors
         sQ = smem.allocate_tensor(dtype, sQ_layout.outer, 1024, sQ_layout.inner)
         sK = smem.allocate_tensor(dtype, sK_layout.outer, 1024, sK_layout.inner)
@@ -289,7 +420,8 @@ class FlashAttentionForwardSm100:
 
         if warp_idx == LOAD_WARP:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         # --- the handoffs
         cta = cute.make_layout((1, 1, 1, 1))
@@ -303,7 +435,12 @@ class FlashAttentionForwardSm100:
 
         tma_umma = partial(make, pipeline.PipelineTmaUmma, producer=load_thread, consumer=mma_thread,
                            cta_layout_vmnk=cta)
-        pipe_q = tma_umma(1, mbar=storage.mbar_q, tx_count=self.q_bytes)
+        if const_expr(self.cache):
+            # The load warp's 32 lanes gather Q with cp.async; each arrives once its copies landed.
+            pipe_q = make(pipeline.PipelineAsyncUmma, 1, pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                          mma_thread, storage.mbar_q, cta_layout_vmnk=cta)
+        else:
+            pipe_q = tma_umma(1, mbar=storage.mbar_q, tx_count=self.q_bytes)
         pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
         pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
         pipe_s = make(pipeline.PipelineUmmaAsync, 2, mma_thread, wg_threads, storage.mbar_s, cta_layout_vmnk=cta)
@@ -317,20 +454,21 @@ class FlashAttentionForwardSm100:
         tmem = TmemAllocator(storage.tmem_holding.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
                                                                         num_threads=_TMEM_THREADS))
-        pad = False  # varlen: the pseudo-batch of the rows past cu_seqlens_q[b]
-        if const_expr(self.varlen):
-            seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
-        else:
-            seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
-        # The block ranges and masks need the lengths only; a varlen tile's offsets are read where
-        # they are used (the softmax's 248 registers per thread are all in use at head_dim 64-128
-        # with softcap: see the masking in `softmax`).
-        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, SeqlenInfo(seqlen.seqlen_q, seqlen.seqlen_k),
-                                  window_left, window_right)
-        n_block_min, n_block_max = blocks.n_block_min_max(m_block)
-        n_blocks = cutlass.max(n_block_max - n_block_min, 0)
-        if m_block * cfg.tile_m >= seqlen.seqlen_q:
-            n_blocks = Int32(0)  # varlen: a tile past its sequence's rows (the grid follows max_seqlen_q)
+        if const_expr(not self.cache):
+            pad = False  # varlen: the pseudo-batch of the rows past cu_seqlens_q[b]
+            if const_expr(self.varlen):
+                seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
+            else:
+                seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
+            # The block ranges and masks need the lengths only; a varlen tile's offsets are read where
+            # they are used (the softmax's 248 registers per thread are all in use at head_dim 64-128
+            # with softcap: see the masking in `softmax`).
+            blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, SeqlenInfo(seqlen.seqlen_q, seqlen.seqlen_k),
+                                      window_left, window_right)
+            n_block_min, n_block_max = blocks.n_block_min_max(m_block)
+            n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+            if m_block * cfg.tile_m >= seqlen.seqlen_q:
+                n_blocks = Int32(0)  # varlen: a tile past its sequence's rows (the grid follows max_seqlen_q)
 
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
@@ -338,11 +476,17 @@ class FlashAttentionForwardSm100:
         o_acc = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
         tmap = cfg.tmem_map
         sScale = storage.row_scale.get_tensor(cute.make_layout((128, 2)))  # (row, slot) softmax -> correction
+        sLse = None
+        if const_expr(self.cache):
+            sLse = storage.row_lse.get_tensor(cute.make_layout(128))  # the final LSE, softmax -> correction
 
         if warp_idx == LOAD_WARP:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
-            self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
-                      pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen)
+            if const_expr(self.cache):
+                self.load_cache(cache_args, mVt, sQ, sK, sV, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v)
+            else:
+                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
+                          pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen)
         elif warp_idx == MMA_WARP:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             tmem.allocate(cfg.tmem_alloc_columns)
@@ -356,8 +500,12 @@ class FlashAttentionForwardSm100:
             tP0 = cute.make_tensor(tP.iterator + per_col * tmap["P0"][0], tP.layout)
             p_step = per_col * (tmap["P1"][0] - tmap["P0"][0])
             s_step = tmap["S1"][0] - tmap["S0"][0]
-            self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, tP0, p_step, pipe_q, pipe_k, pipe_v,
-                     pipe_s, pipe_p, pipe_o, n_blocks, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * cfg.tile_n)
+            mma_args = (tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, tP0, p_step, pipe_q, pipe_k, pipe_v,
+                        pipe_s, pipe_p, pipe_o)
+            if const_expr(self.cache):
+                self._mma_cache(cache_args, mma_args, thr_qk, thr_pv)
+            else:
+                self.mma(*mma_args, n_blocks, thr_qk, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * cfg.tile_n)
             # Every role is done with Tensor Memory before it is freed.
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
@@ -365,19 +513,82 @@ class FlashAttentionForwardSm100:
             tmem.free(base)
         elif warp_idx <= _ROLES["softmax0"][-1]:
             cute.arch.setmaxregister_increase(cfg.softmax_regs)
-            self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
-                         softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad,
-                         num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch)
+            if const_expr(self.cache):
+                self._softmax_cache(cache_args, _tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE,
+                                    mSinks, softmax_scale_log2, softcap_prescale, tidx, sLse)
+            else:
+                self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks,
+                             softmax_scale_log2, softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks,
+                             tidx, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         elif warp_idx <= _ROLES["correction"][-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
-            self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen,
-                            n_blocks, tidx - 32 * _ROLES["correction"][0], pad, num_m_blocks)
-            _tcgen05_fence_before()
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+            ctidx = tidx - 32 * _ROLES["correction"][0]
+            if const_expr(self.cache):
+                self._correction_cache(cache_args, _tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, mLSE,
+                                       mOaccum, mLSEaccum, mSinks, sLse, storage.merge_flag.get_tensor(cute.make_layout(1)),
+                                       ctidx)
+            else:
+                self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen,
+                                n_blocks, ctidx, pad, num_m_blocks)
+                _tcgen05_fence_before()
+                cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
         else:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
+
+    def _shared_storage(self):
+        """The CTA's barriers and small buffers (the operand tiles are allocated after it). The KV cache
+        adds the final LSE handed from the softmax to the correction warpgroup, which stores it beside
+        O, and the split merge's verdict."""
+        mbar = cutlass.Int64
+        fields = dict(
+            mbar_q=cute.struct.MemRange[mbar, 2],
+            mbar_k=cute.struct.MemRange[mbar, 2 * self.stages],
+            mbar_v=cute.struct.MemRange[mbar, 2 * self.stages],
+            mbar_s=cute.struct.MemRange[mbar, 4],
+            mbar_p=cute.struct.MemRange[mbar, 4],
+            mbar_o=cute.struct.MemRange[mbar, 2],
+            mbar_scale=cute.struct.MemRange[mbar, 4],
+            tmem_holding=Int32,
+            row_scale=cute.struct.MemRange[Float32, 2 * 128],
+        )
+        if self.cache:
+            fields.update(row_lse=cute.struct.MemRange[Float32, 128], merge_flag=cute.struct.MemRange[Int32, 1])
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def _cache_tile(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mTileList, window_left, window_right, num_splits,
+                    kv_len, num_m_blocks, ragged, n_listed, mSemaphores, qhead_per_kv, num_batch):
+        """KV cache: this CTA's tile and what its roles need of it, (problem, work, seqlen, blocks,
+        n_block_min, n_blocks, pad). The tile is (m_block, KV head, sequence, split) as fwd_sm90's
+        split scheduler numbers them (a tile list for ragged calls), so that the handler's grid,
+        workspace and tile counters agree; pad: the ragged pseudo-batch (no keys, cache_epilogue
+        writes its rows); n_blocks is 0 for a tile without keys or rows."""
+        problem = self._cache_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, window_left, window_right,
+                                      num_splits, kv_len, num_m_blocks, ragged, mSemaphores, qhead_per_kv)
+        work = StaticPersistentTileScheduler.create(num_m_blocks, mK.shape[2], num_batch + ragged, num_splits,
+                                                    mTileList=mTileList, n_listed=n_listed).tile(
+                                                        cute.arch.block_idx()[0])
+        seqlen = problem.seqlen(work.batch)
+        pad = work.batch >= problem.num_batch
+        blocks = problem.blocks(seqlen)
+        n_block_min, n_block_max = problem.n_block_range(blocks, work)
+        n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+        if pad or not problem.has_rows(work, seqlen):
+            n_blocks = Int32(0)
+        return problem, work, seqlen, blocks, n_block_min, n_blocks, pad
+
+    @cute.jit
+    def _cache_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, window_left, window_right, num_splits,
+                       kv_len, num_m_blocks, ragged, mSemaphores, qhead_per_kv):
+        """The KV-cache TileProblem (tile_problem.py), as fwd_sm90 builds it: pack-GQA rows of
+        `tile_rows` per tile, cache_seqlens clamped to the capacity, split-KV."""
+        capacity = kv_len * (mPageTable.shape[1] if const_expr(self.paged) else 1)
+        return TileProblem(Seqlens.CACHE, self.tile_rows, self.cfg.tile_n, self.mask, window_left, window_right,
+                           mCuSeqlensQ=mCuSeqlensQ, num_batch=mSeqlensK.shape[0], num_m_blocks=num_m_blocks,
+                           mSeqlensK=mSeqlensK, seqlen_q=mQ.shape[1], ragged=ragged, qhead_per_kv=qhead_per_kv,
+                           num_splits=num_splits, capacity=capacity, mSemaphores=mSemaphores, heads_kv=mK.shape[2])
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
@@ -417,17 +628,93 @@ class FlashAttentionForwardSm100:
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
 
+    # KV cache: each role's entry finds the CTA's tile itself (_cache_tile) -- see `kernel`.
+    @cute.jit
+    def _mma_cache(self, cache_args, mma_args, thr_qk, thr_pv):
+        _, _, seqlen, _, n_block_min, n_blocks, _ = self._cache_tile(*cache_args)
+        self.mma(*mma_args, n_blocks, thr_qk, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * self.cfg.tile_n)
+
+    @cute.jit
+    def _softmax_cache(self, cache_args, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks,
+                       softmax_scale_log2, softcap_prescale, tidx, sLse):
+        problem, work, _, blocks, n_block_min, n_blocks, pad = self._cache_tile(*cache_args)
+        self.softmax(base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
+                     softcap_prescale, blocks, work.m_block, work.head, work.batch, n_block_min, n_blocks, tidx, pad,
+                     problem.num_m_blocks, None, None, None, problem.num_batch, sLse, problem.num_splits)
+
+    @cute.jit
+    def _correction_cache(self, cache_args, base, o_acc, pipe_o, pipe_scale, sScale, mO, mLSE, mOaccum, mLSEaccum,
+                          mSinks, sLse, sMergeFlag, tidx):
+        problem, work, seqlen, _, _, n_blocks, pad = self._cache_tile(*cache_args)
+        self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, work.m_block, work.head, work.batch, seqlen,
+                        n_blocks, tidx, pad, problem.num_m_blocks, mOaccum, work, problem)
+        _tcgen05_fence_before()
+        cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+        # After the TMEM handoff (nothing here reads Tensor Memory): the tile's LSE, the padding rows
+        # of a ragged batch, the fused split merge.
+        self.cache_epilogue(mO, mLSE, mOaccum, mLSEaccum, mSinks, sLse, sMergeFlag, tidx, work, seqlen, problem,
+                            n_blocks, pad)
+
+    @cute.jit
+    def load_cache(self, cache_args, mV, sQ, sK, sV, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v):
+        """KV cache, the load warp: K of the first (highest) block, then the tile's pack-GQA Q rows
+        (gathered by the warp's lanes with cp.async while that K is in flight), then K_j and V_j from
+        the highest block down. K/V come from a contiguous cache, or in page_rows-row TMA pieces from
+        the pages the page table names (loaders.KVLoader; each block's page lookups are issued a
+        block ahead of the copies that use them)."""
+        cfg = self.cfg
+        mQ, mK, mPageTable, kv_len = cache_args[0], cache_args[1], cache_args[2], cache_args[9]
+        problem, work, seqlen, _, n_block_min, n_blocks, _ = self._cache_tile(*cache_args)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if n_blocks > 0:
+            kv = KVLoader.create(cfg, self.paged, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, work.head,
+                                 work.batch, 0, False, kv_len, self.page_rows)
+            n_hi = n_block_min + n_blocks - 1
+            page, within = kv.lookup(n_hi)
+            next_page, next_within = kv.lookup(n_hi - 1)
+            pipe_k.producer_acquire(kv_state)
+            kv.k(n_hi, kv_state.index, pipe_k.producer_get_barrier(kv_state), page, within)
+            pipe_q.producer_acquire(q_state)
+            gather_packed_q_warp(self.tile_rows, cfg.head_dim, mQ, sQ[None, None, 0], cute.arch.lane_idx(), work,
+                                 seqlen, problem)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            # cp.async writes are generic-proxy writes; the tensor core reads through the async proxy.
+            cute.arch.fence_view_async_shared()
+            pipe_q.producer_commit(q_state)
+            pipe_v.producer_acquire(kv_state)
+            kv.v(n_hi, kv_state.index, pipe_v.producer_get_barrier(kv_state), page, within)
+            kv_state.advance()
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n_block = n_hi - 1 - i
+                page, within = next_page, next_within
+                next_page, next_within = kv.lookup(n_block - 1)
+                pipe_k.producer_acquire(kv_state)
+                kv.k(n_block, kv_state.index, pipe_k.producer_get_barrier(kv_state), page, within)
+                pipe_v.producer_acquire(kv_state)
+                kv.v(n_block, kv_state.index, pipe_v.producer_get_barrier(kv_state), page, within)
+                kv_state.advance()
+
+    def _mma_operands(self, tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV):
+        """(tSrQ, tSrK, tOrV): the gemms' shared-memory operands. Dense and varlen allocate them in
+        the MMA's partitioned layouts; the KV cache allocates (rows, head_dim) views (row gathers, paged
+        pieces) and partitions them here -- V's transposed, (head_dim, keys), the MN-major B operand."""
+        if const_expr(self.cache):
+            return (tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ)),
+                    tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK)),
+                    tiled_mma_pv.make_fragment_B(thr_pv.partition_B(transpose_2d(sV))))
+        return tiled_mma_qk.make_fragment_A(sQ), tiled_mma_qk.make_fragment_B(sK), tiled_mma_pv.make_fragment_B(sV)
+
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO, tP0,
-            p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_pv,
+            p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv,
             keys_in_first):
         """One thread issues every gemm of the tile: S_j = Q K_j^T into S[j % 2], then
         O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O.
-        `keys_in_first`: the sequence's keys in the first (highest) block; varlen zeroes V's rows
-        past them before that block's P.V gemm."""
-        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
-        tSrK = tiled_mma_qk.make_fragment_B(sK)
-        tOrV = tiled_mma_pv.make_fragment_B(sV)
+        `keys_in_first`: the sequence's keys in the first (highest) block; varlen and the KV cache
+        zero V's rows past them before that block's P.V gemm."""
+        tSrQ, tSrK, tOrV = self._mma_operands(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -456,9 +743,12 @@ class FlashAttentionForwardSm100:
                     # released the previous O (rescaled, when the max moved).
                     pipe_p.consumer_wait(p_state)
                     pipe_v.consumer_wait(v_state)
-                    if const_expr(self.varlen):
+                    if const_expr(self.seams.keys_past_end):
                         if j == 1 and keys_in_first < self.cfg.tile_n:
-                            self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
+                            if const_expr(self.cache):
+                                self._clear_v_rows(sV, v_state.index, keys_in_first)
+                            else:
+                                self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
                     pipe_o.producer_acquire(o_state)
                     with cute.arch.elect_one():
                         self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, (j - 1) % 2),
@@ -512,6 +802,29 @@ class FlashAttentionForwardSm100:
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
 
+    @cute.jit
+    def _clear_v_rows(self, sV, stage, keys):
+        """KV cache: zero rows [keys, tile_n) of V stage `stage` -- a (keys, head_dim) view -- with
+        16-byte stores by the MMA warp's 32 lanes, in passes of whole rows from the first pass that
+        holds such a row; then a fence into the async proxy. A cache's slots (or pages) past a
+        sequence's length may hold anything, NaN included, and 0 * NaN = NaN in the tensor core."""
+        cfg = self.cfg
+        dtype = sV.element_type
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        thr_layout, val_layout = row_thread_layout(dtype, cfg.head_dim, 32)
+        thr = cute.make_tiled_copy_tv(atom, thr_layout, val_layout).get_slice(cute.arch.lane_idx())
+        tVsV = thr.partition_D(sV[None, None, stage])
+        tVcV = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        zeros = cute.make_rmem_tensor(cute.make_layout(128 // dtype.width), dtype)
+        zeros.fill(0.0)
+        rows_per_pass = cute.size(thr_layout, mode=[0])
+        for m in cutlass.range(keys // rows_per_pass, cute.size(tVsV, mode=[1]), unroll=1):
+            if tVcV[0, m, 0][0] >= keys:
+                for k in cutlass.range_constexpr(cute.size(tVsV, mode=[2])):
+                    cute.copy(atom, zeros, tVsV[None, m, k])
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+
     @staticmethod
     def _stage(t0, step: int, stage):
         """Buffer `stage` (runtime) of two same-layout TMEM buffers `step` elements apart: by address,
@@ -529,10 +842,12 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
                 softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad, num_m_blocks,
-                mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch):
+                mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, sLse=None, num_splits=None):
         """Thread tidx owns row tidx: its scores come from TMEM lane tidx. `pad`: the tile belongs to
         the varlen padding pseudo-batch (_pad_stride). Varlen: the tile's row offset is read again
-        at the end, for the LSE store (_varlen_seqlen)."""
+        at the end, for the LSE store (_varlen_seqlen). KV cache: the row is a pack-GQA row of KV head
+        `head` (its query is row // qhead_per_kv, for the masks; its q-head's sink joins here only
+        without splits), and its LSE goes to the correction warpgroup through sLse."""
         cfg = self.cfg
         tmap = cfg.tmem_map
         dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
@@ -553,7 +868,7 @@ class FlashAttentionForwardSm100:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        row = m_block * cfg.tile_m + tidx
+        row = m_block * self.tile_rows + tidx
         fma_per_16 = round(cfg.exp2_fma_fraction * 16)  # config_sm100: e.g. 2 of 16 at hd128
         n_block_max = n_block_min + n_blocks
         n_block_right = blocks.n_block_right(m_block) if const_expr(blocks.has_right_edge) else n_block_max
@@ -590,7 +905,7 @@ class FlashAttentionForwardSm100:
                 hi = mb.seqlen.seqlen_k - col0
                 lo = Int32(0)
                 if const_expr(blocks.has_right_edge):
-                    diag = row + mb.diag_offset() - col0
+                    diag = mb.query_of_row(row) + mb.diag_offset() - col0
                     hi = cutlass.min(hi, diag + mb.window_right + 1)
                     if const_expr(blocks.has_left_edge):
                         lo = diag - mb.window_left
@@ -641,7 +956,13 @@ class FlashAttentionForwardSm100:
                 pipe_scale.producer_commit(sc_state)
                 sc_state.advance()
         # The final entry: 1 / row sum, sinks included (a sink adds exp(sink) to the denominator).
-        sink = mSinks[head] * _LOG2E
+        if const_expr(self.cache):
+            # Splits leave the sinks to the merge (a split must not count them).
+            sink = -Float32.inf
+            if num_splits == 1:
+                sink = mSinks[head * blocks.qhead_per_kv + row % blocks.qhead_per_kv] * _LOG2E
+        else:
+            sink = mSinks[head] * _LOG2E
         max_scaled = -Float32.inf if row_max == -Float32.inf else row_max * softmax_scale_log2
         big = cute.arch.fmax(max_scaled, sink)
         big_safe = 0.0 if big == -Float32.inf else big
@@ -649,11 +970,21 @@ class FlashAttentionForwardSm100:
         total += cute.math.exp2(sink - big_safe, fastmath=True)
         inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total) * cute.math.exp2(max_scaled - big_safe,
                                                                                    fastmath=True)
+        lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
         if n_blocks > 0:
             pipe_scale.producer_acquire(sc_state)
             sScale[tidx, sc_state.index] = inv
+            if const_expr(self.cache):
+                sLse[tidx] = lse  # published by the commit below, with inv
             pipe_scale.producer_commit(sc_state)
-        lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+        if const_expr(not self.cache):
+            self._store_lse_rows(mLSE, blocks, row, head, batch, lse, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK,
+                                 mSequsedK, num_batch)
+
+    @cute.jit
+    def _store_lse_rows(self, mLSE, blocks, row, head, batch, lse, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK,
+                        mSequsedK, num_batch):
+        """Dense and varlen: the softmax thread's row's LSE (and a varlen padding tile's rows)."""
         at = blocks.seqlen  # dense: the rows are the tile's own
         if const_expr(self.varlen):
             at, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1], batch)
@@ -667,10 +998,12 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen: SeqlenInfo,
-                   n_blocks, tidx, pad, num_m_blocks):
+                   n_blocks, tidx, pad, num_m_blocks, mOaccum=None, work=None, problem=None):
         """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx): rescales it in TMEM between P.V
         gemms, then stores O / row sum. A row is head_dim fp32 values, more than the warpgroup's
-        registers: it is done in 32-column chunks (one 32x32b load or store each)."""
+        registers: it is done in 32-column chunks (one 32x32b load or store each). KV cache: the row
+        is a pack-GQA row (_cache_row), stored as o, or with splits as this split's float32
+        partial; cache_epilogue does the rest."""
         cfg = self.cfg
         chunk = 32
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
@@ -684,6 +1017,9 @@ class FlashAttentionForwardSm100:
         sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         row = m_block * cfg.tile_m + tidx
         seqlen_q = seqlen.seqlen_q
+        dest = None
+        if const_expr(self.cache):
+            dest = self._cache_row(mO, work, seqlen, problem, tidx)
         for j in cutlass.range(n_blocks, unroll=1):
             pipe_o.consumer_wait(o_state)  # P_j V_j has landed in O
             pipe_scale.consumer_wait(sc_state)
@@ -702,7 +1038,9 @@ class FlashAttentionForwardSm100:
                     for i in cutlass.range_constexpr(cute.size(rO)):
                         rO[i] = rO[i] * scale
                     if last:
-                        if row < seqlen_q:
+                        if const_expr(self.cache):
+                            self._store_cache_o(mO, mOaccum, rO, tOcO, c * chunk, dest, seqlen, work, problem)
+                        elif row < seqlen_q:
                             out = self._o_row(mO, seqlen, row, head, batch)
                             for i in cutlass.range_constexpr(cute.size(rO)):
                                 out[c * chunk + tOcO[i][1]] = rO[i].to(mO.element_type)
@@ -713,7 +1051,7 @@ class FlashAttentionForwardSm100:
             _tcgen05_fence_before()
             pipe_o.consumer_release(o_state)
             o_state.advance()
-        if n_blocks == 0:
+        if n_blocks == 0 and not self.cache:
             # No key: O = 0 (the softmax wrote lse).
             if row < seqlen_q:
                 self._zero_o_row(mO, seqlen, row, head, batch)
@@ -722,6 +1060,72 @@ class FlashAttentionForwardSm100:
                     stride = self._pad_stride(num_m_blocks)
                     for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
                         self._zero_o_row(mO, seqlen, r, head, batch)
+
+    @cute.jit
+    def _cache_row(self, mO, work, seqlen: SeqlenInfo, problem: TileProblem, tidx):
+        """KV cache: (stored, position, q-head) of tile row tidx -- query row // qhead_per_kv of q-head
+        kv_head * qhead_per_kv + row % qhead_per_kv at (seqlen.batch_q, position) of q / o. Stored: a
+        row of the tile's tile_rows that is one of its sequence's (not the ragged pseudo-batch's:
+        cache_epilogue writes those), within o's extent."""
+        qpk = problem.qhead_per_kv
+        row = work.m_block * self.tile_rows + tidx
+        query = row // qpk
+        pos = seqlen.offset_q + query
+        stored = tidx < self.tile_rows and work.batch < problem.num_batch and query < seqlen.seqlen_q \
+            and pos < mO.shape[1]
+        return stored, pos, work.head * qpk + row - query * qpk
+
+    @cute.jit
+    def _store_cache_o(self, mO, mOaccum, rO, tOcO, col0: cutlass.Constexpr[int], dest, seqlen: SeqlenInfo, work,
+                       problem: TileProblem):
+        """KV cache: columns [col0, col0 + chunk) of the thread's row, O in q's dtype or, with splits,
+        this split's float32 partial."""
+        stored, pos, head_q = dest
+        if stored:
+            if problem.num_splits == 1:
+                out = mO[seqlen.batch_q, pos, head_q, None]
+                for i in cutlass.range_constexpr(cute.size(rO)):
+                    out[col0 + tOcO[i][1]] = rO[i].to(mO.element_type)
+            else:
+                part = mOaccum[work.split, seqlen.batch_q, pos, head_q, None]
+                for i in cutlass.range_constexpr(cute.size(rO)):
+                    part[col0 + tOcO[i][1]] = rO[i]
+
+    @cute.jit
+    def cache_epilogue(self, mO, mLSE, mOaccum, mLSEaccum, mSinks, sLse, sMergeFlag, tidx, work, seqlen: SeqlenInfo,
+                       problem: TileProblem, n_blocks, pad):
+        """KV cache, the correction warpgroup after its O stores: the row's LSE (from the softmax, or
+        for a tile without keys o = 0 and lse = the sink -- -inf with splits: a split's empty
+        partial), the ragged pseudo-batch's rows, and with the combine fused the split merge of the
+        last split CTA of the tile (split_epilogue). Every partial of this CTA is stored by these 128
+        threads, which the merge's release relies on."""
+        cfg = self.cfg
+        stored, pos, head_q = self._cache_row(mO, work, seqlen, problem, tidx)
+        if stored:
+            lse = -Float32.inf
+            if n_blocks > 0:
+                lse = sLse[tidx]
+            elif problem.num_splits == 1:
+                lse = mSinks[head_q]
+            if problem.num_splits == 1:
+                if n_blocks == 0:
+                    out = mO[seqlen.batch_q, pos, head_q, None]
+                    for i in cutlass.range_constexpr(cfg.head_dim):
+                        out[i] = Float32(0.0).to(mO.element_type)
+                mLSE[seqlen.batch_q, head_q, pos] = lse
+            else:
+                if n_blocks == 0:
+                    part = mOaccum[work.split, seqlen.batch_q, pos, head_q, None]
+                    for i in cutlass.range_constexpr(cfg.head_dim):
+                        part[i] = Float32(0.0)
+                mLSEaccum[work.split, seqlen.batch_q, head_q, pos] = lse
+        if pad:
+            split_epilogue.fill_unowned_packed_rows(self.tile_rows, cfg.head_dim, _CORRECTION_THREADS, mO, mLSE, mOaccum,
+                                                    mLSEaccum, mSinks, tidx, work, seqlen, problem)
+        if problem.fused_combine():
+            split_epilogue.merge_splits_if_last(self.tile_rows, cfg.head_dim, _CORRECTION_THREADS, _BAR_EPILOGUE, mO,
+                                                mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work, seqlen,
+                                                problem, _MERGE_CHUNK)
 
     def _pad_stride(self, num_m_blocks):
         """The varlen padding pseudo-batch's rows past cu_seqlens_q[b] may outnumber its tiles' rows

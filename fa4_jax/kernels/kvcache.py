@@ -25,6 +25,17 @@ def make_kernel(variant: KVCacheVariant):
                                            variant.softcap, FwdSeams.kvcache(variant.paged),
                                            page_rows=variant.page_rows)
         return kernel.call_kvcache
+    if variant.arch == "sm100":
+        from fa4_jax.kernels.config_sm100 import sm100_fwd_config
+        from fa4_jax.kernels.fwd_sm100 import FlashAttentionForwardSm100
+        from fa4_jax.kernels.seams import FwdSeams
+
+        # One 128-row Q tile per CTA (q_stage 1) holding the variant's tile_m pack-GQA rows (opt-in,
+        # as the dense SM100 kernel).
+        cfg = sm100_fwd_config(variant.head_dim, packed_rows=128)
+        kernel = FlashAttentionForwardSm100(cfg, variant.mask, variant.softcap, FwdSeams.kvcache(variant.paged),
+                                            tile_rows=variant.tile_m, page_rows=variant.page_rows)
+        return kernel.call_kvcache
     raise NotImplementedError(f"no KV-cache kernel for {variant.arch=} yet")
 
 

@@ -197,11 +197,17 @@ class KVLoader:
                 cute.copy(copy_atom, src[None, tKcK[0, m, k][1] // vec], tKsK[None, m, k])
 
 
+def _pass_columns(tXcX) -> tuple:
+    """The first column of each of a thread's chunks in one pass of a row copy (row_copy's
+    partition of an identity tensor): static, and the same in every pass."""
+    return tuple(tXcX[0, 0, k][1] for k in range(cute.size(tXcX, mode=[2])))
+
+
 @cute.jit
-def _gather_q_row(copy_atom, vec: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], mQ, dst, coords, row,
+def _gather_q_row(copy_atom, vec: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int], mQ, dst, cols, row,
                   work, seqlen, problem):
     """One pass of the pack-GQA Q gather: the thread's chunks (dst: (vec, chunks) of shared memory,
-    coords: their (row, column)) of tile row `row` (absolute: m_block * tile_m + local row), if that
+    cols: their first columns, the same in every pass) of tile row `row` (absolute: m_block * tile_m + local row), if that
     row is one of the sequence's. Row r is query r // qhead_per_kv of q-head kv_head * qhead_per_kv +
     r % qhead_per_kv -- a runtime division, hence no TMA box -- at (seqlen.batch_q,
     seqlen.offset_q + query) of q."""
@@ -214,8 +220,8 @@ def _gather_q_row(copy_atom, vec: cutlass.Constexpr[int], head_dim: cutlass.Cons
         src_row = cute.make_tensor(cute.make_ptr(dtype, start.toint(), cute.AddressSpace.gmem, assumed_align=16),
                                    (head_dim,))
         src = cute.tiled_divide(src_row, (vec,))
-        for k in cutlass.range_constexpr(cute.size(dst, mode=[1])):
-            cute.copy(copy_atom, src[None, coords[k][1] // vec], dst[None, k])
+        for k in cutlass.range_constexpr(len(cols)):
+            cute.copy(copy_atom, src[None, cols[k] // vec], dst[None, k])
 
 
 @cute.jit
@@ -230,7 +236,7 @@ def gather_packed_q(cfg, mQ, sQ, tidx, work, seqlen, problem):
     tQsQ = thr.partition_D(sQ)
     tQcQ = thr.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
     for m in cutlass.range_constexpr(cute.size(tQsQ, mode=[1])):
-        _gather_q_row(copy_atom, vec, cfg.head_dim, mQ, tQsQ[None, m, None], tQcQ[0, m, None],
+        _gather_q_row(copy_atom, vec, cfg.head_dim, mQ, tQsQ[None, m, None], _pass_columns(tQcQ),
                       work.m_block * cfg.tile_m + tQcQ[0, m, 0][0], work, seqlen, problem)
     cute.arch.cp_async_commit_group()
     cute.arch.cp_async_wait_group(0)
@@ -251,11 +257,12 @@ def gather_packed_q_warp(tile_rows: cutlass.Constexpr[int], head_dim: cutlass.Co
     copy_atom, tiled, vec = row_copy(dtype, head_dim, 32)
     thr = tiled.get_slice(lane)
     tQsQ = thr.partition_D(sQ)
-    tQcQ = thr.partition_S(cute.make_identity_tensor(sQ.shape))
-    rows_per_pass = 32 // threads_per_row(dtype, head_dim)
+    tQcQ = thr.partition_S(cute.make_identity_tensor((cute.size(sQ, mode=[0]), head_dim)))
+    tpr = threads_per_row(dtype, head_dim)
+    rows_per_pass = 32 // tpr
     rows = cutlass.min(tile_rows, seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * tile_rows)
     for m in cutlass.range(cute.ceil_div(cutlass.max(rows, 0), rows_per_pass), unroll=1):
-        local = tQcQ[0, m, 0][0]
+        local = m * rows_per_pass + lane // tpr  # row_thread_layout: lane t at row t / tpr of the pass
         if local < rows:
-            _gather_q_row(copy_atom, vec, head_dim, mQ, tQsQ[None, m, None], tQcQ[0, m, None],
+            _gather_q_row(copy_atom, vec, head_dim, mQ, tQsQ[None, m, None], _pass_columns(tQcQ),
                           work.m_block * tile_rows + local, work, seqlen, problem)

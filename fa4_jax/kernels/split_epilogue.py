@@ -60,13 +60,14 @@ def fill_unowned_packed_rows(tile_m: cutlass.Constexpr[int], head_dim: cutlass.C
 @cute.jit
 def merge_splits_if_last(tile_m: cutlass.Constexpr[int], head_dim: cutlass.Constexpr[int],
                          n_threads: cutlass.Constexpr[int], barrier_id: cutlass.Constexpr[int], mO, mLSE, mOaccum,
-                         mLSEaccum, mSinks, sMergeFlag, tidx, work, seqlen, problem):
+                         mLSEaccum, mSinks, sMergeFlag, tidx, work, seqlen, problem, chunk: cutlass.Constexpr[int] = 0):
     """With the combine fused (problem.mSemaphores has a counter per (batch, KV head, m_block) tile,
     zero between launches): after its partial stores, each split CTA of a tile counts itself in; the
     last one to arrive merges the tile's rows from the workspace (merge_row, one warp per row) and
     puts the counter back to zero for the next launch. Saves the combine kernel's launch and its
     wait for the attention kernel's tail (issue 20). Every partial store of the CTA must have been
-    made by the n_threads threads taking part (sMergeFlag: one int32 of shared memory)."""
+    made by the n_threads threads taking part (sMergeFlag: one int32 of shared memory). `chunk`:
+    merge_row's, splits whose partials a warp holds at once (0: its default)."""
     # Release: every thread's partial stores are ordered before its arrival at the barrier, and so
     # before thread 0's increment below (the classic threadfence-reduction pattern).
     cute.arch.fence_acq_rel_gpu()
@@ -94,4 +95,4 @@ def merge_splits_if_last(tile_m: cutlass.Constexpr[int], head_dim: cutlass.Const
             if pos < mO.shape[1]:
                 head = work.head * problem.qhead_per_kv + row - query * problem.qhead_per_kv
                 merge_row(mOaccum, mLSEaccum, mO, mLSE, mSinks, problem.num_splits, seqlen.batch_q, pos, head, lane,
-                          head_dim)
+                          head_dim, chunk)

@@ -28,10 +28,11 @@ def make_kernel(variant: VarlenVariant):
     if variant.arch == "sm100":
         from fa4_jax.kernels.config_sm100 import sm100_fwd_config
         from fa4_jax.kernels.fwd_sm100 import FlashAttentionForwardSm100
+        from fa4_jax.kernels.seams import FwdSeams
 
         # The dense SM100 kernel's configuration, at per-sequence offsets (opt-in, as the dense one).
         cfg = sm100_fwd_config(variant.head_dim, packed_rows=128)
-        return FlashAttentionForwardSm100(cfg, variant.mask, variant.softcap, varlen=True).call_varlen
+        return FlashAttentionForwardSm100(cfg, variant.mask, variant.softcap, FwdSeams.varlen()).call_varlen
     raise NotImplementedError(f"no varlen kernel for {variant.arch=} yet")
 
 

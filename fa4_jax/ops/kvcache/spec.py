@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
 from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, HEAD_DIMS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
+from fa4_jax.ops.fwd.spec import ARCHES, ATTENTION_KEY, HEAD_DIMS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
 from fa4_jax.ops.fwd.spec import FwdVariant
 
 # The one mask kind this family compiles. The handler turns an unbounded window side into a bound that
@@ -123,15 +123,23 @@ class KVCacheVariant(FwdVariant):
                    paged="paged" in parts[4:], tile_m=tile_m, page_rows=page_rows)
 
 
+# Rows per paged piece each architecture's kernel has: the one-row gather (page sizes that are not
+# multiples of PAGE_ROWS) is SM90's only so far; on Blackwell such a call takes cuDNN or the reference.
+PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": (PAGE_ROWS,)}
+
+
 def default_menu() -> tuple[KVCacheVariant, ...]:
+    """Every arch (the SM100 kernels opt-in, as the dense ones: families.VALIDATED_ARCHES), dtype,
+    head dim, softcap, cache layout, query tile and page piece."""
     return tuple(
-        KVCacheVariant("sm90", dtype, hd, MASK, softcap, paged, tile_m, page_rows)
+        KVCacheVariant(arch, dtype, hd, MASK, softcap, paged, tile_m, page_rows)
+        for arch in ARCHES
         for dtype in DTYPES
         for hd in HEAD_DIMS
         for softcap in (False, True)
         for paged in (False, True)
         for tile_m in TILE_MS
-        for page_rows in (PAGE_ROWS_CHOICES if paged else (PAGE_ROWS,))
+        for page_rows in (PAGE_ROWS_BY_ARCH[arch] if paged else (PAGE_ROWS,))
     )
 
 
