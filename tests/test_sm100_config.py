@@ -125,3 +125,22 @@ def test_the_kernels_rings_fit(hd):
     assert 2 <= cfg.ring_stages <= 4
     assert cfg.kernel_smem_bytes <= SM100_TILE_SMEM_BYTES
     assert cfg.ring_stages == 4 or cfg.kernel_smem_bytes + 2 * cfg.kv_tile_bytes > SM100_TILE_SMEM_BYTES
+
+
+@pytest.mark.parametrize("num_m_blocks,heads,batch", [(1, 3, 2), (7, 2, 3), (16, 5, 1)])
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_tile_order_covers_every_tile_once_longest_first_for_masks(num_m_blocks, heads, batch, longest_first):
+    from fa4_jax.kernels.config_sm100 import tile_of_block
+
+    order = [tile_of_block(b, num_m_blocks, heads, longest_first) for b in range(num_m_blocks * heads * batch)]
+    assert sorted(order) == sorted(itertools.product(range(num_m_blocks), range(heads), range(batch)))
+    # m-blocks fastest: consecutive CTAs share a (head, batch), i.e. its K/V in L2.
+    groups = [order[i:i + num_m_blocks] for i in range(0, len(order), num_m_blocks)]
+    assert all(len({(h, b) for _, h, b in g}) == 1 for g in groups)
+    # Causal (square, bottom-right aligned): m-block m sees m + 1 key blocks. Longest first means each
+    # (head, batch)'s tiles are launched in non-increasing work.
+    work = [[m + 1 for m, _, _ in g] for g in groups]
+    if longest_first:
+        assert all(w == sorted(w, reverse=True) for w in work)
+    else:
+        assert all(w == sorted(w) for w in work)

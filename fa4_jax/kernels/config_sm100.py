@@ -223,6 +223,19 @@ def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdC
                           other, fraction, tile_n=tile_n, o_over_q=o_over_q)
 
 
+def tile_of_block(block, num_m_blocks, heads, longest_first: bool):
+    """(m_block, head, batch) of CTA `block` of a dense or varlen launch, one CTA per tile (the kernel
+    calls this with its Int32 indices, the tests with ints). m-blocks run fastest, so that the CTAs
+    resident at the same time share one head's K/V in L2. longest_first (causal and windowed masks):
+    the m-blocks in reverse -- with bottom-right aligned masks the last query tile sees the most keys
+    -- so the hardware, which launches CTAs in index order, starts the longest tiles first and the
+    short ones fill the tail (a varlen grid follows max_seqlen_q: a sequence's last tiles run first)."""
+    m_block = block % num_m_blocks
+    if longest_first:
+        m_block = num_m_blocks - 1 - m_block
+    return m_block, (block // num_m_blocks) % heads, block // (num_m_blocks * heads)
+
+
 # ------------------------------------------------------------------------------------------------
 # docs/SM100.md's resource table: generated from this file (python -m fa4_jax.kernels.config_sm100
 # --write), checked by tests/test_sm100_config.py. The measured side (registers, stack frames of the

@@ -81,7 +81,7 @@ from cutlass.memory import TmemAllocator
 from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
-from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig
+from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig, tile_of_block
 from fa4_jax.kernels.exp2_fma import exp2_fma
 from fa4_jax.kernels.loaders import PAGE_ROWS, KVLoader, gather_packed_q_warp, row_thread_layout
 from fa4_jax.kernels.seams import FwdSeams, KVLoad, Seqlens
@@ -406,9 +406,7 @@ class FlashAttentionForwardSm100:
             cache_args = (mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mTileList, window_left, window_right, num_splits,
                           kv_len, num_m_blocks, ragged, n_listed, mSemaphores, qhead_per_kv, num_batch)
         else:
-            m_block = tile % num_m_blocks
-            head = (tile // num_m_blocks) % mO.shape[2]
-            batch = tile // (num_m_blocks * mO.shape[2])
+            m_block, head, batch = tile_of_block(tile, num_m_blocks, mO.shape[2], self.mask != "full")
             head_kv = head // qhead_per_kv
 
         smem = cutlass.utils.SmemAllocator()
