@@ -31,8 +31,9 @@ overwritten, without a barrier.
 Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
 conventions (block_info.py, softmax.py). The family a kernel serves is its `FwdSeams` (seams.py), as
 for fwd_sm90: dense, varlen or KV cache. Not yet (the next steps, measured on hardware first): two Q
-tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent longest-first
-scheduling, TMA store of O, one-row page pieces (page sizes that are not multiples of 16).
+tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent scheduling
+(causal and windowed tiles are launched longest first: config_sm100.tile_of_block), TMA store of O,
+one-row page pieces (page sizes that are not multiples of 16).
 
 Varlen (call_varlen, `varlen=True`): the same kernel on packed (total, h, d) tensors. A tile (m_block,
 head, sequence) reads its sequence's lengths from cu_seqlens (keys clamped to the sequence's own, as
