@@ -9,7 +9,9 @@ board drift hits both alike.
 Rows (bf16, device time = 20 dependent calls inside one jitted, unrolled fori_loop, docs/BENCHMARKING.md;
 prefill rows = back-to-back calls): decode 32/8 heads d128 at 1 x 8k, 1 x 32k, 8 x 32k with full
 caches and with lengths 37 short of a 128-key block (the tail a KV cache usually has), contiguous and
-paged (page 64; pages 16 and 1 on full caches); varlen 8 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and
+paged (page 64; pages 16 and 1 on full caches), and softcapped (cap 30) on full caches; a ragged step of 8 x 512-row
+causal prefill chunks on 2k-16k of context, page 64, with and without a softcap (back-to-back calls); varlen 8
+sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and
 hd64 1k causal. Prints, per row, the median over rounds of each library's time and its ratio to the first library's.
 """
 
@@ -74,6 +76,34 @@ def _child() -> dict:
                 f, reps = looped(lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(
                     q, k, v, lens, page_table=t, implementation="fa4"))
                 timed(f"decode {b}x{cap // 1024}k {tail} paged{page}", f, (q, kp, vp, lens, table), reps)
+
+        # Softcapped decode (Gemma-style cap 30), full caches: contiguous and page 64.
+        lens = jnp.full((b,), cap, jnp.int32)
+        f, reps = looped(lambda q, k, v, lens: fa4_jax.attention_with_kvcache(q, k, v, lens, softcap=30.0,
+                                                                              implementation="fa4"))
+        timed(f"decode {b}x{cap // 1024}k full softcap", f, (q, k, v, lens), reps)
+        kp, vp = (x.reshape(b * cap // 64, 64, h_k, d) for x in (k, v))
+        table = jax.random.permutation(ks[0], b * cap // 64).reshape(b, cap // 64).astype(jnp.int32)
+        f, reps = looped(lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(
+            q, k, v, lens, page_table=t, softcap=30.0, implementation="fa4"))
+        timed(f"decode {b}x{cap // 1024}k full paged64 softcap", f, (q, kp, vp, lens, table), reps)
+
+    # A continuous-batching prefill step: 8 x 512-row causal chunks on 2k-16k of context, ragged, page
+    # 64 (the chunk tile, tile_m 128), without and with a softcap.
+    chunk, ctx = 512, [2048, 4096, 6144, 8192, 10240, 12288, 14336, 16384]
+    n = len(ctx)
+    kc = jnp.asarray([0] + [chunk] * n).cumsum().astype(jnp.int32)
+    page_cap = max(ctx) + chunk
+    ks = jax.random.split(jax.random.key(11), 3)
+    qc = normal(ks[0], (n * chunk, h_q, d))
+    kp, vp = (normal(kk, (n * page_cap // 64, 64, h_k, d)) for kk in ks[1:])
+    table = jax.random.permutation(ks[0], n * page_cap // 64).reshape(n, page_cap // 64).astype(jnp.int32)
+    clens = jnp.asarray([c + chunk for c in ctx], jnp.int32)
+    for cap_value, name in ((0.0, ""), (30.0, " softcap")):
+        f = jax.jit(lambda q, k, v, lens, cu, t, c=cap_value: fa4_jax.attention_with_kvcache(
+            q, k, v, lens, cu_seqlens_q=cu, max_seqlen_q=chunk, page_table=t, causal=True, softcap=c,
+            implementation="fa4"))
+        timed(f"chunks 8x512 ragged paged64{name}", f, (qc, kp, vp, clens, kc, table))
 
     lens = [2000, 1999, 2001, 1950, 2047, 2000, 1000, 3053]
     cu = jnp.asarray([0] + list(jnp.cumsum(jnp.asarray(lens))), jnp.int32)
