@@ -24,7 +24,7 @@ HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local"
 # offsets, whose MMA warp also zeroes V rows past a sequence's last key), and the KV cache (pack-GQA
 # rows gathered by the load warp, split partials merged by the last split CTA): a decode tile on a
 # contiguous cache and a prefill-chunk tile on a paged one.
-SM100_KVCACHE_SYMBOLS = ("fa4_kvcache_sm100_bf16_hd128_local", "fa4_kvcache_sm100_fp16_hd64_local_softcap_paged_m128")
+SM100_KVCACHE_SYMBOLS = ("fa4_kvcache_sm100_bf16_hd128_local", "fa4_kvcache_sm100_bf16_hd64_local_softcap_paged_m128")
 SM100_SYMBOLS = ("fa4_fwd_sm100_bf16_hd128_causal", "fa4_varlen_sm100_bf16_hd128_causal", *SM100_KVCACHE_SYMBOLS)
 
 

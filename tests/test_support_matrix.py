@@ -197,10 +197,12 @@ def test_opt_in_cells():
         entry = support._entry(c["entry_point"])
         v = entry.variant(c["device"], c["dtype"], c["head_dim"], c["mask"], c["softcap"], c["seqlens"], c["page_size"])
         assert c["opt_in"] == (v.symbol in menu), c
-    # Every entry point has SM100 kernels (issue 16), but a paged cache whose page size is not a
-    # multiple of 16 (the one-row gather is SM90's only) has none.
+    # Every entry point has SM100 kernels (issue 16); the KV-cache ones are bfloat16 only
+    # (spec.DTYPES_BY_ARCH) and read pages in 16-row pieces (spec.PAGE_ROWS_BY_ARCH).
     assert {c["entry_point"] for c in cells if c["opt_in"]} == {e.name for e in support.ENTRY_POINTS}
-    paged = [c for c in cells if c["page_size"] is not None]
+    kv = [c for c in cells if c["entry_point"].startswith("attention_with_kvcache")]
+    assert not any(c["opt_in"] for c in kv if c["dtype"] == "fp16")
+    paged = [c for c in kv if c["page_size"] is not None and c["dtype"] == "bf16"]
     assert {c["page_size"] for c in paged if not c["opt_in"]} == {p for p in support.PAGE_SIZES if p % 16}
 
 

@@ -126,6 +126,10 @@ class KVCacheVariant(FwdVariant):
 # Rows per paged piece each architecture's kernel has: the one-row gather (page sizes that are not
 # multiples of PAGE_ROWS) is SM90's only so far; on Blackwell such a call takes cuDNN or the reference.
 PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": (PAGE_ROWS,)}
+# Cache dtypes each architecture's KV-cache kernels are built for. Blackwell's: bfloat16, the cache
+# dtype of the serving engines, so that the default build stays within its 15 minutes on 2 cores
+# (440 variants took 870-948 s with fp16 too; docs/PERF.md); an fp16 call takes cuDNN or the reference.
+DTYPES_BY_ARCH = {"sm90": DTYPES, "sm100": ("bf16",)}
 
 
 def default_menu() -> tuple[KVCacheVariant, ...]:
@@ -134,7 +138,7 @@ def default_menu() -> tuple[KVCacheVariant, ...]:
     return tuple(
         KVCacheVariant(arch, dtype, hd, MASK, softcap, paged, tile_m, page_rows)
         for arch in ARCHES
-        for dtype in DTYPES
+        for dtype in DTYPES_BY_ARCH[arch]
         for hd in HEAD_DIMS
         for softcap in (False, True)
         for paged in (False, True)
