@@ -693,6 +693,11 @@ class FlashAttentionForwardSm90:
         dtype = sQ.element_type
         blocks = problem.blocks(seqlen)
         n_block_min, n_block_max = problem.n_block_range(blocks, work)
+        live_rows = None  # every row's results are stored
+        if const_expr(seams.q_load is QLoad.PACKED_GQA):
+            # The tile's packed rows (queries x q-heads per KV head): a decode tile has 4 or 8 of its
+            # 64, and the softmax skips the warps' rows past them (OnlineSoftmax.step).
+            live_rows = seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m
         acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
@@ -706,7 +711,7 @@ class FlashAttentionForwardSm90:
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                   s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS),
                                   softmax, softcap_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
-                                  dtype, sV, tile.tidx)
+                                  dtype, sV, tile.tidx, live_rows)
             self.stamps.consumer_at(phase_times.MAINLOOP_END)
             if const_expr(seams.q_load is QLoad.TMA):
                 if const_expr(seams.epilogue is not Epilogue.TMA_STORE and not cfg.separate_o):
@@ -736,11 +741,12 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape,
                  state, pipe_q, q_state, pipe_k, pipe_v, mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale,
-                 blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype, sV=None, tidx=None):
+                 blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype, sV=None, tidx=None, live_rows=None):
         """All K/V blocks of one query tile (Q already in smem), from the highest block index down:
         the first block carries the seqlen_k boundary and the window's right edge; the phases after
         it are listed in block_info.py. `state` is the K/V consumer state; returns it advanced past
-        this tile's blocks. sV and tidx (the consumer thread index) are needed with FwdSeams.keys_past_end."""
+        this tile's blocks. sV and tidx (the consumer thread index) are needed with FwdSeams.keys_past_end;
+        live_rows bounds the rows whose results are stored (OnlineSoftmax.step; None: all)."""
         cfg = self.cfg
 
         # First block (highest index): S only; its PV gemm is issued in the next step.
@@ -753,7 +759,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.softcap):
             OnlineSoftmax.softcap(acc_S, softcap_prescale)
         mask.apply(acc_S, m_block, n_block, seqlen=True, window=True)
-        softmax.step(acc_S, is_first=True)
+        softmax.step(acc_S, is_first=True, rows=mask.tScS_mn, live_rows=live_rows)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
         if const_expr(self.seams.keys_past_end):
             # Only the first block can hold the sequence's last key (later ones are full); its V
@@ -767,7 +773,7 @@ class FlashAttentionForwardSm90:
         step = partial(self.step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
                        tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, o_scale=o_scale,
                        s_shape=s_shape, pipe_k=pipe_k, pipe_v=pipe_v, mask=mask, softmax=softmax,
-                       softcap_prescale=softcap_prescale, m_block=m_block, wg=wg, dtype=dtype)
+                       softcap_prescale=softcap_prescale, m_block=m_block, wg=wg, dtype=dtype, live_rows=live_rows)
         # Blocks left to do: [n_block_min, n_block_max - 1), highest first.
         hi = n_block_max - 1
         if const_expr(blocks.has_right_edge):
@@ -802,7 +808,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def step(self, state, n_block, masked: cutlass.Constexpr[bool], tiled_mma_qk, tiled_mma_pv,
              tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape, pipe_k, pipe_v,
-             mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale, m_block, wg, dtype):
+             mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale, m_block, wg, dtype, live_rows=None):
         """One K/V block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax of
         S_j overlapping the PV gemm. `state` points at block j+1's stage on entry."""
         cfg = self.cfg
@@ -823,7 +829,7 @@ class FlashAttentionForwardSm90:
             OnlineSoftmax.softcap(acc_S, softcap_prescale)
         if const_expr(masked):
             mask.apply(acc_S, m_block, n_block, seqlen=False, window=True)
-        scale = softmax.step(acc_S, is_first=False)
+        scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)
         warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
         pipe_v.consumer_release(v_state)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))

@@ -34,9 +34,17 @@ class OnlineSoftmax:
                              cute.make_rmem_tensor(num_rows, Float32))
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool], rows=None, live_rows=None) -> cute.Tensor:
         """Turn scores into unnormalised probabilities in place; return the factor by which the
         running output must be rescaled.
+
+        `live_rows` (with `rows`, the tile rows of the thread's accumulators as acc_as_mn of the
+        identity partition) bounds the tile rows whose results are stored: a row of the thread's
+        that no lane of its warp holds below the bound is left as it is (its scores go on into P
+        and O rows that nothing stores; its rescale factor is 1). A pack-GQA decode tile holds
+        one query x its q-heads, 4 or 8 of 64 rows, so three warps of four and half of the
+        fourth skip the ex2 and the reductions of every block. The test is warp-uniform (a vote),
+        so the quad shuffles below are never reached by part of a warp.
 
         `row_max` holds the running max already scaled (m * scale_log2, rounded once to float32)
         and every exponent and rescale factor is taken against that stored value, so the rounding
@@ -52,23 +60,34 @@ class OnlineSoftmax:
         s_mn = acc_as_mn(acc_S)
         scale = cute.make_rmem_tensor(self.row_max.layout, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            row = s_mn[r, None].load()
-            prev = self.row_max[r]
-            block_max = quad_allreduce_max(row_max(row, -Float32.inf)) * self.scale_log2
-            cur = block_max if const_expr(is_first) else cute.arch.fmax(prev, block_max)
-            self.row_max[r] = cur
-            # A row masked so far has max -inf; exponentiate against 0 instead so that masked
-            # entries give exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
-            cur_safe = 0.0 if cur == -Float32.inf else cur
-            p = cute.math.exp2(row * self.scale_log2 - cur_safe, fastmath=True)
-            s_mn[r, None].store(p)
-            if const_expr(is_first):
-                scale[r] = 1.0
-                self.row_sum[r] = row_sum(p, Float32(0.0))
+            if const_expr(live_rows is None):
+                self._row_step(s_mn, scale, r, is_first)
             else:
-                scale[r] = cute.math.exp2(prev - cur_safe, fastmath=True)
-                self.row_sum[r] = row_sum(p, self.row_sum[r] * scale[r])
+                scale[r] = 1.0
+                if cute.arch.vote_any_sync(rows[r, 0][0] < live_rows):
+                    self._row_step(s_mn, scale, r, is_first)
         return scale
+
+    @cute.jit
+    def _row_step(self, s_mn: cute.Tensor, scale: cute.Tensor, r: cutlass.Constexpr[int],
+                  is_first: cutlass.Constexpr[bool]):
+        """step() for the thread's row r (its quad holds the row between them)."""
+        row = s_mn[r, None].load()
+        prev = self.row_max[r]
+        block_max = quad_allreduce_max(row_max(row, -Float32.inf)) * self.scale_log2
+        cur = block_max if const_expr(is_first) else cute.arch.fmax(prev, block_max)
+        self.row_max[r] = cur
+        # A row masked so far has max -inf; exponentiate against 0 instead so that masked
+        # entries give exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
+        cur_safe = 0.0 if cur == -Float32.inf else cur
+        p = cute.math.exp2(row * self.scale_log2 - cur_safe, fastmath=True)
+        s_mn[r, None].store(p)
+        if const_expr(is_first):
+            scale[r] = 1.0
+            self.row_sum[r] = row_sum(p, Float32(0.0))
+        else:
+            scale[r] = cute.math.exp2(prev - cur_safe, fastmath=True)
+            self.row_sum[r] = row_sum(p, self.row_sum[r] * scale[r])
 
     @cute.jit
     def finalize(self, sink_log2) -> cute.Tensor:
