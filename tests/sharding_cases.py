@@ -154,6 +154,15 @@ def kvcache_cases(m24, m8):
                                                                   return_lse=True, implementation="xla")
     run_fn("kv_cp_paged_sliding_window", m8, window, (q1, pool_k8, pool_v8, lens8, table8),
            (P(), P("x"), P("x"), P(), P()), cache_bytes=pool_k8.size * 2, tail_bytes=b * 31 * h_k * d * 2)
+    # FP8 caches (the reference on the dequantized cache): batch sharded, and heads sharded with the
+    # per-head scales sharded alike, neither moving anything.
+    k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (kc, vc))
+    k_scale = jnp.array([0.5, 2.0], jnp.float32)
+    fp8 = lambda q, k, v, n, s: fa4_jax.attention_with_kvcache(q, k, v, n, causal=True, k_scale=s, v_scale=0.25,  # noqa: E731
+                                                               return_lse=True, implementation="xla")
+    run_fn("kv_fp8_batch", m24, fp8, (q3, k8, v8, lens, k_scale), (P("data"), P("data"), P("data"), P("data"), P()))
+    heads = P(None, None, "data")
+    run_fn("kv_fp8_heads", m24, fp8, (q3, k8, v8, lens, k_scale), (heads, heads, heads, P(), P("data")))
 
 
 def ragged_cases(m24):

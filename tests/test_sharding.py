@@ -18,7 +18,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 NO_COLLECTIVE = ["batch", "heads", "batch_heads", "gqa_heads_divide_kv", "gqa_more_shards_than_kv", "mqa_8_shards",
                  "sinks_heads", "qseq_noncausal", "window", "shard_map", "kv_batch", "kv_batch_heads", "kv_paged_batch",
-                 "varlen_heads", "vmap_batch", "export_shard_map", "kv_ragged_heads"]
+                 "varlen_heads", "vmap_batch", "export_shard_map", "kv_ragged_heads", "kv_fp8_batch", "kv_fp8_heads"]
 GATHERED = ["qseq_causal_replicated", "head_dim_replicated", "kv_window_covers_cache_gathered",
             "varlen_tokens_replicated", "kv_ragged_rows_replicated"]
 CONTEXT_PARALLEL = ["kv_cp_decode", "kv_cp_decode_batch", "kv_cp_paged_decode", "kv_cp_paged_full_sinks",
@@ -40,7 +40,7 @@ CONTEXT_PARALLEL = ["kv_cp_decode", "kv_cp_decode_batch", "kv_cp_paged_decode", 
 #   since each |o_i| <= P_i |V|). A bound relative to each row's own values: a long row whose |O| is
 #   small next to |V| keeps its margin, and a dropped or doubled key block (O moves by ~|V| / n for n
 #   keys, LSE by ~1/n) fails it at these lengths. LSE: merged in float32, a few ulps.
-ROUNDED = ["gqa_heads_divide_kv", "gqa_more_shards_than_kv", "kv_batch_heads", "kv_ragged_heads"]
+ROUNDED = ["gqa_heads_divide_kv", "gqa_more_shards_than_kv", "kv_batch_heads", "kv_ragged_heads", "kv_fp8_heads"]
 BITWISE = [c for c in NO_COLLECTIVE + GATHERED if c not in ROUNDED]
 LSE_ULPS_ATOL = 1e-5  # ~20 float32 ulps at |lse| ~ 4-8 (these inputs); one key more or less moves it >= 1e-3
 

@@ -24,6 +24,7 @@ from fa4_jax.core import cudnn
 from fa4_jax.core.implementation import Implementation, resolve_implementation, trim_window
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
+from fa4_jax.ops.kvcache.quant import check_fp8_caches, check_scale, dequantize, is_fp8, quantize
 from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
@@ -35,7 +36,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                            page_table: ArrayLike | None = None, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, sinks: ArrayLike | None = None, num_splits: int | None = None,
-                           return_lse: bool = False,
+                           return_lse: bool = False, k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
                            implementation: Implementation | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of new queries against a KV cache (decode, speculative decode, chunked prefill).
 
@@ -64,6 +65,12 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
       num_splits: None picks the number of KV splits at run time from batch, heads, cache length and
         the GPU's SM count; an int >= 1 forces it (kernel only; the result does not depend on it
         beyond float rounding). Splits are merged by an LSE-weighted combine in the same call.
+      k_scale, v_scale: with FP8 caches (float8_e4m3fn, both; every layout above), the float32 scales
+        the cache was quantized with (update_kvcache): the cache holds value / scale and attention reads
+        fp8 * scale. A scalar or (heads_kv,), traced values allowed; None = 1.0. Scales with 16-bit
+        caches are an error. q stays bfloat16/float16 and o has its dtype. No kernel reads an FP8 cache
+        yet: such a call runs the exact reference on the dequantized (float32) cache, on every device
+        (implementation None or "xla"; "fa4" and "cudnn" say so).
       implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every
         head_dim). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
         softcap or sinks, and a causal mask or window only when seqlen_q == 1 (no left window).
@@ -74,6 +81,47 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
     Returns o like q, or (o, lse) with lse float32 (batch, heads_q, seqlen_q); ragged: (heads_q, total_q).
     Under jax.jit mark the non-array arguments static: attention_with_kvcache.STATIC_ARGNAMES.
     """
+    options = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, page_table=page_table, causal=causal,
+                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, sinks=sinks,
+                   num_splits=num_splits, return_lse=return_lse)
+    if check_fp8_caches(k_cache, v_cache, k_scale, v_scale):
+        return _fp8(q, k_cache, v_cache, cache_seqlens, k_scale, v_scale, implementation, options)
+    return _attention(q, k_cache, v_cache, cache_seqlens, **options, implementation=implementation)
+
+
+attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
+
+
+def _fp8(q, k_cache, v_cache, cache_seqlens, k_scale, v_scale, implementation, options):
+    """A call on FP8 caches: every check of the same call on 16-bit caches, then the exact reference
+    on the cache dequantized to float32 (a paged cache's pages gathered first, so that only the
+    sequences' pages are widened, not the pool)."""
+    if implementation in ("fa4", "cudnn"):
+        raise ValueError(f'implementation="{implementation}" cannot read float8_e4m3fn KV caches (no kernel does '
+                         'yet); implementation=None or "xla" computes the call exactly on the dequantized cache')
+    ragged = options["cu_seqlens_q"] is not None
+    check_tensors({"q": q}, 3 if ragged else 4, kernel_constraints=True)  # q stays bfloat16 / float16
+    arrays = {k: options[k] for k in ("cu_seqlens_q", "page_table", "sinks")}
+    static = {k: v for k, v in options.items() if k not in arrays}
+    like = jax.ShapeDtypeStruct(k_cache.shape, q.dtype)
+    jax.eval_shape(lambda q, k, v, n, a: _attention(q, k, v, n, **a, **static, implementation=implementation),
+                   q, like, like, cache_seqlens, arrays)
+    heads_kv = k_cache.shape[2]
+    scales = check_scale("k_scale", k_scale, heads_kv), check_scale("v_scale", v_scale, heads_kv)
+    table = arrays.pop("page_table")
+    if table is not None:
+        b, capacity = cache_seqlens.shape[0], k_cache.shape[1] * table.shape[1]
+        k_cache, v_cache = (jnp.take(jnp.asarray(x), table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:])
+                            for x in (k_cache, v_cache))
+    k32, v32 = (dequantize(x, scale) for x, scale in zip((k_cache, v_cache), scales))
+    out = _attention(jnp.asarray(q).astype(jnp.float32), k32, v32, cache_seqlens, **arrays, page_table=None, **static,
+                     implementation="xla", kernel_constraints=False)
+    return (out[0].astype(q.dtype), out[1]) if static["return_lse"] else out.astype(q.dtype)
+
+
+def _attention(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q, max_seqlen_q, page_table, causal, softmax_scale,
+               window_size, softcap, sinks, num_splits, return_lse, implementation, kernel_constraints=True):
+    """attention_with_kvcache on 16-bit caches (kernel_constraints=False: the float32 reference call of _fp8)."""
     if cu_seqlens_q is not None:
         return _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                        page_table=page_table, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -81,7 +129,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                        implementation=implementation)
     if max_seqlen_q is not None:
         raise ValueError("max_seqlen_q is a hint for a ragged batch: pass it with cu_seqlens_q (q packed), or not at all")
-    check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table)
+    check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=kernel_constraints)
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[2], head_dim=q.shape[-1])
@@ -99,9 +147,6 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
                                             (cudnn.KVCACHE, operands, params))
     o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
-
-
-attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
 
 
 def _tile_m(rows_per_sequence, heads_q, heads_kv) -> int:
@@ -151,8 +196,8 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
 
 
 def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, cache_seqlens: ArrayLike,
-                   *, cu_seqlens_new: ArrayLike | None = None,
-                   page_table: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
+                   *, cu_seqlens_new: ArrayLike | None = None, page_table: ArrayLike | None = None,
+                   k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None) -> tuple[jax.Array, jax.Array]:
     """The caches with k_new / v_new written at positions cache_seqlens[b], cache_seqlens[b] + 1, ...
     of each sequence b.
 
@@ -165,6 +210,11 @@ def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_n
     attention_with_kvcache afterwards). Contiguous caches (batch, capacity, heads_kv, head_dim), or paged
     pools (num_pages, page_size, heads_kv, head_dim) of any page size >= 1 with page_table.
 
+    FP8 caches (float8_e4m3fn, both): k_new / v_new in any float dtype are quantized on the way in,
+    value / scale rounded to nearest even and saturated at +-448 (a NaN stays NaN), with k_scale /
+    v_scale float32 scalars or (heads_kv,) arrays (None = 1.0; traced values allowed): the cache
+    attention_with_kvcache reads with the same scales. Scales with a 16-bit cache are an error.
+
     A plain XLA scatter: under jax.jit with the caches donated (donate_argnums=(0, 1)) it updates them in
     place, without a copy. Positions past the capacity (or past max_pages * page_size, or in a page id
     out of range) are dropped, never written.
@@ -175,23 +225,27 @@ def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_n
         check_tensors({name: x}, rank, kernel_constraints=False)  # each an array of its rank first
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensors({name: x}, 4, kernel_constraints=False)
+    fp8 = check_fp8_caches(k_cache, v_cache, k_scale, v_scale)
     if tuple(k_new.shape) != tuple(v_new.shape) or k_new.dtype != v_new.dtype:
         raise ValueError(f"k_new and v_new must have the same shape and dtype; got k_new {tuple(k_new.shape)} "
                          f"{jnp.dtype(k_new.dtype).name}, v_new {tuple(v_new.shape)} {jnp.dtype(v_new.dtype).name}")
-    if k_new.shape[-2:] != k_cache.shape[2:] or k_new.dtype != k_cache.dtype:
+    if k_new.shape[-2:] != k_cache.shape[2:] or (k_new.dtype != k_cache.dtype and not fp8) or is_fp8(k_new):
         layout = "(total_new, heads_kv, head_dim)" if ragged else "(batch, seqlen_new, heads_kv, head_dim)"
+        dtype = "a 16- or 32-bit float dtype (quantized into the FP8 cache)" if fp8 else "dtype"
         raise ValueError(
-            f"k_new must be {layout} with the cache's heads and dtype; got "
+            f"k_new must be {layout} with the cache's heads and {dtype}; got "
             f"k_new {tuple(k_new.shape)} {jnp.dtype(k_new.dtype).name}, k_cache {tuple(k_cache.shape)} "
             f"{jnp.dtype(k_cache.dtype).name}"
         )
+    if fp8:
+        scales = (check_scale("k_scale", k_scale, k_cache.shape[2]), check_scale("v_scale", v_scale, k_cache.shape[2]))
     b = cache_seqlens.shape[0] if hasattr(cache_seqlens, "shape") and len(cache_seqlens.shape) == 1 else None
     if ragged:
         if b is None:
             raise ValueError(f"cache_seqlens must be int32 (batch,); got {getattr(cache_seqlens, 'shape', cache_seqlens)!r}")
         check_index("cu_seqlens_new", cu_seqlens_new, (b + 1,), "(batch + 1,): offsets of each sequence's new tokens")
     # The cache layout checks of attention, with a (batch, 1, heads_kv, d) stand-in in q's place.
-    q_like = k_new if not ragged else jax.ShapeDtypeStruct((b, 1, *k_new.shape[1:]), k_new.dtype)
+    q_like = jax.ShapeDtypeStruct(k_new.shape if not ragged else (b, 1, *k_new.shape[1:]), k_cache.dtype)
     check_kvcache(q_like, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=False)
     k_cache, v_cache = jnp.asarray(k_cache), jnp.asarray(v_cache)  # (NumPy inputs; no copy for jax arrays)
     if ragged:
@@ -206,6 +260,8 @@ def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_n
         s_new = k_new.shape[1]
         seq = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s_new))
         pos = cache_seqlens[:, None] + jnp.arange(s_new, dtype=jnp.int32)[None, :]  # (b, s_new)
+    if fp8:
+        k_new, v_new = quantize(k_new, scales[0]), quantize(v_new, scales[1])
     return _scatter(k_cache, v_cache, k_new, v_new, seq, pos, page_table)
 
 

@@ -1,0 +1,316 @@
+"""FP8 (float8_e4m3fn) KV caches on CPU: update_kvcache's quantization bit for bit against an
+ml_dtypes oracle, attention_with_kvcache on FP8 caches (contiguous, paged, ragged; per-head and
+scalar scales, traced too) against the float64 oracle on the dequantized cache with NaN in every slot
+a row may not read, and the errors. No kernel reads FP8 yet: every call here runs the reference."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fa4_jax import attention_with_kvcache, update_kvcache
+from fa4_jax.ops.kvcache.quant import FP8_MAX, check_scale, quantize
+from oracle import F32_ATOL, LSE_ATOL, UNIT_ROUNDOFF, attention_oracle, make_sinks
+
+FP8 = jnp.float8_e4m3fn
+D = 64
+SCALE = D**-0.5
+H_Q, H_K = 4, 2
+
+
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+def fp8_oracle(x, scale) -> np.ndarray:
+    """value / scale as update_kvcache's contract says: float32(x) * float32(1 / scale), saturated at
+    +-448, rounded to nearest even (ml_dtypes' cast). The reciprocal is taken as the library takes it
+    (XLA's float32 division), so this checks the product, the saturation and the rounding."""
+    inv = np.asarray(jax.jit(lambda s: jnp.float32(1.0) / s)(jnp.asarray(scale, jnp.float32)))
+    inv = inv if inv.ndim == 0 else inv[:, None]
+    prod = np.asarray(x, np.float32) * inv
+    return np.clip(prod, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def assert_same_fp8(got, want, what=""):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype == np.dtype(ml_dtypes.float8_e4m3fn), (got.dtype, want.dtype)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(got.view(np.uint8)[~nan], want.view(np.uint8)[~nan], err_msg=what)
+
+
+def dequantized(cache, scale) -> np.ndarray:
+    """float64 value * scale: exact (a 4-bit significand times a float32)."""
+    s = f64(np.float32(scale)) if np.ndim(scale) == 0 else f64(np.asarray(scale, np.float32))[:, None]
+    return f64(np.asarray(cache).astype(np.float32)) * s
+
+
+def random_fp8(rng, shape, scale=1.0) -> np.ndarray:
+    return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(ml_dtypes.float8_e4m3fn)
+
+
+NAN8 = np.array(np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
+# -- quantization -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("scale", [1.0, 0.37, np.float32(3.5), np.array([0.02, 7.0], np.float32)],
+                         ids=["one", "python", "numpy", "per_head"])
+def test_quantize_matches_oracle(dtype, scale):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 50, H_K, D), dtype=np.float32) * np.float32(40.0)
+    # Saturation (past 448 * scale), values in e4m3's subnormal range, halfway cases, NaN and +-inf.
+    x[0, 0, :, :4] = [1e6, -1e6, 1e-3, -3e-3]
+    x[0, 1, :, :3] = [np.nan, np.inf, -np.inf]
+    with np.errstate(over="ignore"):  # 1e6 is +-inf in float16: saturates all the same
+        x = x.astype(dtype)
+    got = quantize(x, check_scale("k_scale", scale, H_K))
+    assert_same_fp8(got, fp8_oracle(np.asarray(x, np.float32), scale), f"{jnp.dtype(dtype).name} {scale=}")
+    g = np.asarray(got).astype(np.float32)
+    assert np.all(np.abs(g[np.isfinite(g)]) <= FP8_MAX)
+    assert np.isfinite(g[0, 1, :, 1:3]).all(), "+-inf saturates to +-448, never NaN"
+    assert np.isnan(g[0, 1, :, 0]).all(), "NaN stays NaN"
+
+
+def test_quantize_traced_scale_under_jit():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 8, H_K, D), dtype=np.float32).astype(jnp.bfloat16)
+    scale = jnp.array([0.5, 0.125], jnp.float32)
+    got = jax.jit(lambda x, s: quantize(x, check_scale("k_scale", s, H_K)))(x, scale)
+    assert_same_fp8(got, fp8_oracle(np.asarray(x, np.float32), scale))
+
+
+# -- update_kvcache -----------------------------------------------------------------------------
+
+def expected_update(cache, new_fp8, seq, pos, page_table=None):
+    """The cache with new_fp8[i] at position pos[i] of sequence seq[i] (positions outside dropped)."""
+    want = np.array(cache, copy=True)
+    for i, (b, p) in enumerate(zip(seq, pos)):
+        if page_table is None:
+            if 0 <= p < cache.shape[1]:
+                want[b, p] = new_fp8[i]
+        elif 0 <= p < page_table.shape[1] * cache.shape[1]:
+            want[page_table[b, p // cache.shape[1]], p % cache.shape[1]] = new_fp8[i]
+    return want
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "ragged_paged"])
+@pytest.mark.parametrize("scales", [(None, None), (0.25, np.array([2.0, 0.5], np.float32))], ids=["default", "set"])
+def test_update_quantizes_into_the_cache(layout, scales):
+    rng = np.random.default_rng(3)
+    k_scale, v_scale = scales
+    b, s_new = 3, 5
+    if layout == "contiguous":
+        shape, table = (b, 24), None
+    else:
+        shape = (12, 8)
+        table = rng.permutation(12)[:9].reshape(b, 3).astype(np.int32)
+    k_cache, v_cache = random_fp8(rng, (*shape, H_K, D)), random_fp8(rng, (*shape, H_K, D))
+    lens = np.array([0, 7, 21], np.int32)  # the last sequence runs past its capacity: dropped
+    if layout == "ragged_paged":
+        cu = np.array([0, 1, 1, 6], np.int32)  # one token, none, five
+        new = [rng.standard_normal((6, H_K, D), dtype=np.float32).astype(jnp.bfloat16) for _ in range(2)]
+        seq, pos = [0, 2, 2, 2, 2, 2], [0, 21, 22, 23, 24, 25]
+        kw = dict(cu_seqlens_new=cu)
+    else:
+        new = [rng.standard_normal((b, s_new, H_K, D), dtype=np.float32).astype(jnp.bfloat16) for _ in range(2)]
+        seq = [i for i in range(b) for _ in range(s_new)]
+        pos = [int(lens[i]) + t for i in range(b) for t in range(s_new)]
+        kw = {}
+    k2, v2 = update_kvcache(k_cache, v_cache, *new, lens, page_table=table, k_scale=k_scale, v_scale=v_scale, **kw)
+    for name, got, cache, x, scale in (("k", k2, k_cache, new[0], k_scale), ("v", v2, v_cache, new[1], v_scale)):
+        flat = np.asarray(x, np.float32).reshape(-1, H_K, D)
+        want = expected_update(cache, fp8_oracle(flat, 1.0 if scale is None else scale), seq, pos, table)
+        assert_same_fp8(got, want, f"{name}_cache {layout}")
+
+
+def test_update_in_place_under_jit_with_traced_scales():
+    rng = np.random.default_rng(4)
+    k_cache, v_cache = (jnp.asarray(random_fp8(rng, (2, 16, H_K, D))) for _ in range(2))
+    new = rng.standard_normal((2, 1, H_K, D), dtype=np.float32).astype(jnp.bfloat16)
+    lens = jnp.array([3, 9], jnp.int32)
+    step = jax.jit(lambda k, v, x, n, ks, vs: update_kvcache(k, v, x, x, n, k_scale=ks, v_scale=vs),
+                   donate_argnums=(0, 1))
+    ks, vs = jnp.float32(0.5), jnp.array([1.0, 4.0], jnp.float32)
+    compiled = step.lower(k_cache, v_cache, new, lens, ks, vs).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes == 2 * k_cache.nbytes, "the donated caches are aliased"
+    assert not re.findall(r"f8e4m3fn\[2,16,2,64\]\{[0-9,]*\} copy\(", compiled.as_text()), "a cache is copied"
+    plain = jax.jit(lambda k, v, x, n, ks, vs: update_kvcache(k, v, x, x, n, k_scale=ks, v_scale=vs))
+    assert plain.lower(k_cache, v_cache, new, lens, ks, vs).compile().memory_analysis().alias_size_in_bytes == 0
+    want_k = np.asarray(k_cache).copy()
+    k2, _ = step(k_cache, v_cache, new, lens, ks, vs)
+    q8 = fp8_oracle(np.asarray(new, np.float32)[:, 0], ks)
+    want_k[0, 3], want_k[1, 9] = q8[0], q8[1]
+    assert_same_fp8(k2, want_k)
+
+
+# -- attention on FP8 caches --------------------------------------------------------------------
+
+def oracle_per_sequence(q, k, v, lens, **kw):
+    outs = [attention_oracle(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], xp=np, **kw)
+            for i, n in enumerate(np.asarray(lens))]
+    return np.concatenate([o for o, _ in outs]), np.concatenate([lse for _, lse in outs])
+
+
+def check(o, lse, o_want, lse_want, dtype):
+    assert o.dtype == dtype and lse.dtype == jnp.float32
+    o, lse = f64(o), f64(lse)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(o, o_want, rtol=1.01 * UNIT_ROUNDOFF[dtype], atol=F32_ATOL)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_want))
+    fin = np.isfinite(lse_want)
+    np.testing.assert_allclose(lse[fin], lse_want[fin], rtol=0, atol=LSE_ATOL)
+
+
+OPTIONS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window_softcap_sinks": dict(window_size=(20, 0), softcap=5.0, sinks="sinks"),
+}
+
+
+@pytest.mark.parametrize("opts", sorted(OPTIONS))
+@pytest.mark.parametrize("scales", [(None, None), (0.05, 0.3), (np.array([0.1, 0.02], np.float32), 2.0)],
+                         ids=["default", "scalar", "per_head"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_contiguous_and_paged_match_the_oracle(opts, scales, dtype):
+    rng = np.random.default_rng(5)
+    b, s_q, cap, page = 4, 3, 72, 8
+    k_scale, v_scale = scales
+    kw = {k: (make_sinks(6, H_Q) if v == "sinks" else v) for k, v in OPTIONS[opts].items()}
+    lens = np.array([0, 2, 37, cap], np.int32)
+    q = rng.standard_normal((b, s_q, H_Q, D), dtype=np.float32).astype(dtype)
+    k8, v8 = random_fp8(rng, (b, cap, H_K, D), 8.0), random_fp8(rng, (b, cap, H_K, D), 8.0)
+    for i, n in enumerate(lens):  # what no row may read: NaN
+        k8[i, n:], v8[i, n:] = NAN8, NAN8
+    ks = 1.0 if k_scale is None else k_scale
+    vs = 1.0 if v_scale is None else v_scale
+    o_want, lse_want = oracle_per_sequence(q, dequantized(k8, ks), dequantized(v8, vs), lens, softmax_scale=SCALE, **kw)
+    o, lse = attention_with_kvcache(q, k8, v8, lens, k_scale=k_scale, v_scale=v_scale, return_lse=True, **kw)
+    check(o, lse, o_want, lse_want, dtype)
+    # The same cache as shuffled pages of a larger pool; every page no sequence owns holds NaN.
+    mp = cap // page
+    table = rng.permutation(b * mp + 5)[: b * mp].reshape(b, mp).astype(np.int32)
+    pool_k = np.full((b * mp + 5, page, H_K, D), NAN8)
+    pool_v = np.full_like(pool_k, NAN8)
+    pool_k[table], pool_v[table] = k8.reshape(b, mp, page, H_K, D), v8.reshape(b, mp, page, H_K, D)
+    o_p, lse_p = attention_with_kvcache(q, pool_k, pool_v, lens, page_table=table, k_scale=k_scale, v_scale=v_scale,
+                                        return_lse=True, **kw)
+    check(o_p, lse_p, o_want, lse_want, dtype)
+
+
+def test_ragged_matches_the_oracle():
+    rng = np.random.default_rng(7)
+    page, num_pages, mp = 5, 40, 6
+    lens = np.array([12, 0, 30, 1], np.int32)
+    cu = np.array([0, 4, 4, 14, 15], np.int32)  # a 4-token chunk, nothing, a 10-token chunk, a decode
+    table = rng.permutation(num_pages)[: 4 * mp].reshape(4, mp).astype(np.int32)
+    pool_k, pool_v = random_fp8(rng, (num_pages, page, H_K, D), 4.0), random_fp8(rng, (num_pages, page, H_K, D), 4.0)
+    owned = np.zeros((num_pages, page), bool)
+    for i, n in enumerate(lens):
+        for p in range(n):
+            owned[table[i, p // page], p % page] = True
+    pool_k[~owned], pool_v[~owned] = NAN8, NAN8
+    ks, vs = np.array([0.2, 0.7], np.float32), 0.9
+    q = rng.standard_normal((16, H_Q, D), dtype=np.float32).astype(jnp.bfloat16)  # row 15: no sequence's
+    o, lse = attention_with_kvcache(q, pool_k, pool_v, lens, cu_seqlens_q=cu, page_table=table, causal=True,
+                                    k_scale=ks, v_scale=vs, return_lse=True)
+    kc, vc = (dequantized(x, s)[table].reshape(4, mp * page, H_K, D) for x, s in ((pool_k, ks), (pool_v, vs)))
+    for i in range(4):
+        rows = slice(cu[i], cu[i + 1])
+        if cu[i + 1] == cu[i]:
+            continue
+        o_w, lse_w = attention_oracle(np.asarray(q[rows])[None], kc[i:i + 1, :lens[i]], vc[i:i + 1, :lens[i]],
+                                      softmax_scale=SCALE, causal=True, xp=np)
+        check(o[rows][None], lse[:, rows][None], o_w, lse_w, jnp.bfloat16)
+    assert np.all(f64(o[15]) == 0.0) and np.all(np.isneginf(lse[:, 15]))
+
+
+def test_jit_with_traced_scales_and_vmap():
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 1, H_Q, D), dtype=np.float32).astype(jnp.bfloat16)
+    k8, v8 = random_fp8(rng, (2, 32, H_K, D)), random_fp8(rng, (2, 32, H_K, D))
+    lens = jnp.array([5, 32], jnp.int32)
+    f = jax.jit(lambda q, k, v, n, ks, vs: attention_with_kvcache(q, k, v, n, k_scale=ks, v_scale=vs))
+    ks, vs = jnp.array([0.5, 2.0], jnp.float32), jnp.float32(0.25)
+    o = f(q, k8, v8, lens, ks, vs)
+    o_eager = attention_with_kvcache(q, k8, v8, lens, k_scale=np.array([0.5, 2.0], np.float32), v_scale=0.25)
+    np.testing.assert_array_equal(f64(o), f64(o_eager))
+    # vmap over the queries and the scales (a per-layer scale, say) with one cache
+    qs = jnp.stack([q, q * 2])
+    kss = jnp.stack([ks, ks * 3])
+    ov = jax.vmap(lambda q, ks: attention_with_kvcache(q, k8, v8, lens, k_scale=ks, v_scale=vs))(qs, kss)
+    for i in range(2):
+        np.testing.assert_array_equal(f64(ov[i]), f64(attention_with_kvcache(qs[i], k8, v8, lens, k_scale=kss[i],
+                                                                             v_scale=vs)))
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def _caches(dtype=FP8, shape=(2, 16, H_K, D)):
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(jnp.bfloat16),
+                                    jnp.array([1, 2], jnp.int32), k_scale=0.5),
+     ValueError, "k_scale and v_scale apply to float8_e4m3fn caches only; the caches are bfloat16"),
+    (lambda: update_kvcache(*_caches(jnp.bfloat16), jnp.zeros((2, 1, H_K, D), jnp.bfloat16),
+                            jnp.zeros((2, 1, H_K, D), jnp.bfloat16), jnp.array([1, 2], jnp.int32), v_scale=2.0),
+     ValueError, "k_scale and v_scale apply to float8_e4m3fn caches only"),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), _caches()[0], _caches(jnp.bfloat16)[1],
+                                    jnp.array([1, 2], jnp.int32)),
+     TypeError, "k_cache and v_cache must both be float8_e4m3fn or neither"),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
+                                    k_scale=np.ones(3, np.float32)),
+     ValueError, r"k_scale must be a scalar or have shape \(heads_kv,\) = \(2,\); got shape \(3,\)"),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
+                                    v_scale=-1.0),
+     ValueError, r"v_scale must be positive and finite; got v_scale=-1.0"),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
+                                    implementation="fa4"),
+     ValueError, r'implementation="fa4" cannot read float8_e4m3fn KV caches \(no kernel does yet\)'),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
+                                    implementation="cudnn"),
+     ValueError, r'implementation="cudnn" cannot read float8_e4m3fn KV caches'),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.float32), *_caches(), jnp.array([1, 2], jnp.int32)),
+     TypeError, r"q must be bfloat16 or float16; got q.dtype=float32"),
+    (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
+                                    window_size=(3, 4), causal=True),
+     ValueError, "causal"),  # the 16-bit call's own checks run first
+    (lambda: update_kvcache(*_caches(), jnp.zeros((2, 1, H_K, D), FP8), jnp.zeros((2, 1, H_K, D), FP8),
+                            jnp.array([1, 2], jnp.int32)),
+     ValueError, r"k_new must be \(batch, seqlen_new, heads_kv, head_dim\) with the cache's heads and a 16- or "
+                 r"32-bit float dtype \(quantized into the FP8 cache\)"),
+], ids=["attn_scale_16bit", "update_scale_16bit", "mixed", "scale_shape", "scale_negative", "fa4", "cudnn", "q_f32",
+        "option_check", "update_fp8_new"])
+def test_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_export_round_trip():
+    """An FP8 decode step (update + attention, traced scales) through jax.export: the same bytes and
+    results as the direct call."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 1, H_Q, D), dtype=np.float32).astype(jnp.bfloat16)
+    new = rng.standard_normal((2, 1, H_K, D), dtype=np.float32).astype(jnp.bfloat16)
+    k8, v8 = random_fp8(rng, (2, 32, H_K, D)), random_fp8(rng, (2, 32, H_K, D))
+    lens = jnp.array([4, 20], jnp.int32)
+
+    def step(q, k, v, x, n, ks, vs):
+        k, v = update_kvcache(k, v, x, x, n, k_scale=ks, v_scale=vs)
+        return attention_with_kvcache(q, k, v, n + 1, causal=True, k_scale=ks, v_scale=vs), k
+
+    args = (q, k8, v8, new, lens, jnp.array([0.5, 1.5], jnp.float32), jnp.float32(0.75))
+    restored = jax.export.deserialize(jax.export.export(jax.jit(step))(*args).serialize())
+    (o, k), (o2, k2) = step(*args), restored.call(*args)
+    np.testing.assert_array_equal(f64(o), f64(o2))
+    assert_same_fp8(k2, k)
