@@ -24,21 +24,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from benchmark import REL_ERR_LIMIT, time_per_call  # noqa: E402
+from benchmark_decode import LOOP, looped  # noqa: E402  (LOOP dependent calls in one unrolled program)
 
 import fa4_jax  # noqa: E402
 
-LOOP = 20
 B, H_Q, H_K, CAP = 8, 32, 8, 4096
-
-
-def looped(step):
-    """LOOP dependent calls of step(q, *rest) -> (b, s, h, d) in one program, unrolled."""
-    def run(q, *rest):
-        def body(i, carry):
-            o = step(q + carry.astype(q.dtype) * 0, *rest)
-            return carry + o.reshape(-1)[0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, LOOP, body, jnp.float32(0), unroll=True)
-    return jax.jit(run)
 
 
 def updates(paged: bool):
