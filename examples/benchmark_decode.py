@@ -83,6 +83,17 @@ def rel_err(out, q, k, v, rows=4):
     return float(jnp.abs(o - ref).max() / jnp.abs(ref).max())
 
 
+def masked_oracle(q, k, v, lens):
+    """float32 attention of each sequence's queries over its first lens[b] keys of k / v
+    (batch, capacity, heads_kv, d), GQA by repeat (the tools' check of caches longer than the rows)."""
+    g = q.shape[2] // k.shape[2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), g, axis=2),
+                   precision="highest") * q.shape[-1] ** -0.5
+    s = jnp.where(jnp.arange(k.shape[1])[None, None, None] < lens[:, None, None, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v.astype(jnp.float32), g, axis=2),
+                      precision="highest")
+
+
 def looped(step, n: int = LOOP):
     """One jitted program of n dependent calls of step(q, *rest) (unrolled: no per-iteration loop cost)."""
     def run(q, *rest):

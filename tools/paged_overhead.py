@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from benchmark import REL_ERR_LIMIT, time_per_call  # noqa: E402
-from benchmark_decode import LOOP, looped  # noqa: E402  (LOOP dependent calls in one unrolled program)
+from benchmark_decode import LOOP, looped, masked_oracle  # noqa: E402  (LOOP calls in one unrolled program)
 
 import fa4_jax  # noqa: E402
 
@@ -38,16 +38,6 @@ def updates(paged: bool):
         body = lambda i, kv: fa4_jax.update_kvcache(*kv, k_new, k_new, lens + i, page_table=t)  # noqa: E731
         return jax.lax.fori_loop(0, LOOP, body, (k, v), unroll=True)[0].reshape(-1)[0]
     return jax.jit(run)
-
-
-def oracle(q, k, v, lens):
-    """float32 attention of each row's one query over its first lens[b] keys (GQA by repeat)."""
-    g = H_Q // H_K
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), g, axis=2),
-                   precision="highest") * q.shape[-1] ** -0.5
-    s = jnp.where(jnp.arange(k.shape[1])[None, None, None] < lens[:, None, None, None], s, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v.astype(jnp.float32), g, axis=2),
-                      precision="highest")
 
 
 def main(argv=None) -> int:
@@ -64,7 +54,7 @@ def main(argv=None) -> int:
         lens = jnp.asarray(rng.integers(1500, 2200, B), jnp.int32)
         q, k_new = bf(B, 1, H_Q, d), bf(B, 1, H_K, d)
         kc, vc = bf(B, CAP, H_K, d), bf(B, CAP, H_K, d)
-        ref = oracle(q, kc, vc, lens)
+        ref = masked_oracle(q, kc, vc, lens)
         progs = {}
 
         def attn(splits, paged):

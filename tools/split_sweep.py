@@ -29,10 +29,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from benchmark import REL_ERR_LIMIT, time_per_call  # noqa: E402
+from benchmark_decode import LOOP, masked_oracle  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
-LOOP = 20
 H_Q, H_K = 32, 8
 SHAPES = "1x1k,1x2k,1x4k,1x8k,1x32k,2x8k,4x4k,4x16k,8x2k~,8x8k,8x32k,16x2k~,32x1k"
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -88,12 +88,7 @@ def main(argv=None) -> int:
             k, v = ks[0], vs[0]
             step = lambda n: (lambda q, k, v, l: fa4_jax.attention_with_kvcache(  # noqa: E731
                 q, k, v, l, num_splits=n, implementation="fa4"))
-            g = H_Q // H_K
-            s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), jnp.repeat(k.astype(jnp.float32), g, axis=2),
-                           precision="highest") * d ** -0.5
-            s = jnp.where(jnp.arange(cap)[None, None, None] < lens[:, None, None, None], s, -jnp.inf)
-            ref = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(v.astype(jnp.float32), g, axis=2),
-                             precision="highest")
+            ref = masked_oracle(q, k, v, lens)
             err = float(jnp.abs(jax.jit(step(None))(q, k, v, lens).astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
             if err > REL_ERR_LIMIT:
                 raise SystemExit(f"d{d} {shape}: WRONG (rel err {err:.3g})")
