@@ -757,7 +757,7 @@ class FlashAttentionForwardSm90:
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=0)
         pipe_k.consumer_release(state)
         if const_expr(self.softcap):
-            OnlineSoftmax.softcap(acc_S, softcap_prescale)
+            OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
         mask.apply(acc_S, m_block, n_block, seqlen=True, window=True)
         softmax.step(acc_S, is_first=True, rows=mask.tScS_mn, live_rows=live_rows)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
@@ -826,7 +826,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(1)  # S_j ready; PV still running
         pipe_k.consumer_release(state)
         if const_expr(self.softcap):
-            OnlineSoftmax.softcap(acc_S, softcap_prescale)
+            OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
         if const_expr(masked):
             mask.apply(acc_S, m_block, n_block, seqlen=False, window=True)
         scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)

@@ -126,10 +126,18 @@ class OnlineSoftmax:
 
     @staticmethod
     @cute.jit
-    def softcap(acc_S: cute.Tensor, prescale: Float32):
+    def softcap(acc_S: cute.Tensor, prescale: Float32, rows=None, live_rows=None):
         """Logit softcapping, in place: s -> tanh(s * softmax_scale / cap). The cap itself and
-        log2(e) live in `scale_log2`, so the softmax then sees cap * tanh(s * softmax_scale / cap)."""
-        acc_S.store(cute.math.tanh(acc_S.load() * prescale, fastmath=True))
+        log2(e) live in `scale_log2`, so the softmax then sees cap * tanh(s * softmax_scale / cap).
+        `rows` / `live_rows` as in step(): rows no lane of the warp stores skip the tanh (MUFU, like
+        the ex2 step() skips for them); their scores go on unused."""
+        if const_expr(live_rows is None):
+            acc_S.store(cute.math.tanh(acc_S.load() * prescale, fastmath=True))
+        else:
+            s_mn = acc_as_mn(acc_S)
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                if cute.arch.vote_any_sync(rows[r, 0][0] < live_rows):
+                    s_mn[r, None].store(cute.math.tanh(s_mn[r, None].load() * prescale, fastmath=True))
 
     @staticmethod
     @cute.jit
