@@ -35,6 +35,7 @@ import fa4_jax
 from fa4_jax.core.implementation import Implementation
 from fa4_jax.core.validation import KERNEL_DTYPES, check_options
 from fa4_jax.families import HEAD_DIMS
+from fa4_jax.ops.kvcache.quant import FP8, check_scale
 
 __all__ = ["FA4Attention", "dot_product_attention", "rotary_embedding"]
 
@@ -265,9 +266,12 @@ class FA4Attention(nnx.Module):
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_lengths: nnx.Cache | None = nnx.data(None)
         self.page_table: nnx.Cache | None = nnx.data(None)
+        self.k_scale: nnx.Cache | None = nnx.data(None)  # FP8 caches only (init_cache)
+        self.v_scale: nnx.Cache | None = nnx.data(None)
 
     def init_cache(self, batch_size: int, max_length: int, *, page_size: int | None = None,
-                   num_pages: int | None = None, page_table: Array | None = None, dtype: Any = None) -> None:
+                   num_pages: int | None = None, page_table: Array | None = None, dtype: Any = None,
+                   k_scale: Any = None, v_scale: Any = None) -> None:
         """Creates an empty KV cache (replacing any earlier one) as nnx.Cache variables.
 
         Contiguous: `cached_key` / `cached_value` (batch_size, max_length, num_kv_heads, head_dim).
@@ -277,14 +281,28 @@ class FA4Attention(nnx.Module):
         batch_size * max_pages. Rows may share pages (a common prefix) as long as no two rows write them.
         `cache_lengths` int32 (batch_size,) counts the valid tokens of each row (zeros here).
 
-        dtype: the cache dtype, default the module's dtype (required when that is None); it must be
-        the compute dtype. The caller keeps every row within max_length: writes past it are dropped
-        and the results of that row are unspecified.
+        dtype: the cache dtype, default the module's dtype (required when that is None): the compute
+        dtype, or jnp.float8_e4m3fn for an FP8 cache (half the bytes; fa4_jax.update_kvcache and
+        attention_with_kvcache with k_scale / v_scale). An FP8 cache keeps its scales as cache
+        variables `k_scale` / `v_scale`, float32 (num_kv_heads,), from `k_scale` / `v_scale` here
+        (a number or a (num_kv_heads,) array; default 1.0) and settable later, e.g. from calibration
+        (`layer.k_scale[...] = ...`): the cache holds value / scale and attention reads fp8 * scale.
+        A prompt into empty rows still attends to its own unquantized keys through the dense kernel
+        (as with a 16-bit cache); every later call reads the FP8 cache. The caller keeps every row
+        within max_length: writes past it are dropped and the results of that row are unspecified.
         """
         dtype = self.dtype if dtype is None else dtype
-        if dtype is None or jnp.dtype(dtype) not in KERNEL_DTYPES:
-            raise ValueError(f"init_cache needs dtype=jnp.bfloat16 or jnp.float16 (the compute dtype); got {dtype} "
-                             f"with the module's dtype {self.dtype}")
+        fp8 = dtype is not None and jnp.dtype(dtype) == FP8
+        if dtype is None or not (fp8 or jnp.dtype(dtype) in KERNEL_DTYPES):
+            raise ValueError(f"init_cache needs dtype=jnp.bfloat16 or jnp.float16 (the compute dtype) or "
+                             f"jnp.float8_e4m3fn (an FP8 cache); got {dtype} with the module's dtype {self.dtype}")
+        if not fp8 and (k_scale is not None or v_scale is not None):
+            raise ValueError(f"k_scale / v_scale belong to an FP8 cache (dtype=jnp.float8_e4m3fn); got dtype="
+                             f"{jnp.dtype(dtype).name}")
+        scales = None
+        if fp8:  # checked (and for host values: positive and finite) before anything is allocated
+            scales = tuple(jnp.broadcast_to(check_scale(name, x, self.num_kv_heads), (self.num_kv_heads,))
+                           for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batch_size and max_length must be >= 1; got {batch_size}, {max_length}")
         tail = (self.num_kv_heads, self.head_dim)
@@ -314,6 +332,8 @@ class FA4Attention(nnx.Module):
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_lengths = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
         self.page_table = nnx.data(None) if table is None else nnx.Cache(table)
+        self.k_scale = nnx.data(None) if scales is None else nnx.Cache(scales[0])
+        self.v_scale = nnx.data(None) if scales is None else nnx.Cache(scales[1])
 
     def reset_cache(self, rows: Array | None = None) -> None:
         """Empties the cache rows `rows` (int indices; None = all) by zeroing their lengths, e.g. to
@@ -380,9 +400,11 @@ class FA4Attention(nnx.Module):
             o = fa4_jax.attention(q, k, v, causal=self.causal, **options)
             return self.out(o)
 
-        if self.cached_key.dtype != k.dtype:
+        fp8 = jnp.dtype(self.cached_key.dtype) == FP8
+        if self.cached_key.dtype != k.dtype and not fp8:
             raise TypeError(f"the cache holds {jnp.dtype(self.cached_key.dtype).name} but the module computes in "
                             f"{jnp.dtype(k.dtype).name}: call init_cache(..., dtype={jnp.dtype(k.dtype).name})")
+        scales = dict(k_scale=self.k_scale[...], v_scale=self.v_scale[...]) if fp8 else {}
         lengths_given = lengths is not None
         if lengths is None:
             lengths, seqlens = jnp.full((b,), s, jnp.int32), old + s
@@ -400,12 +422,12 @@ class FA4Attention(nnx.Module):
                                  "would show padding to real queries")
         table = None if self.page_table is None else self.page_table[...]
         k_cache, v_cache = fa4_jax.update_kvcache(self.cached_key[...], self.cached_value[...], k, v, old,
-                                                  page_table=table)
+                                                  page_table=table, **scales)
         self.cached_key[...], self.cached_value[...] = k_cache, v_cache
         self.cache_lengths[...] = old + lengths
         def from_cache():
             return fa4_jax.attention_with_kvcache(q, k_cache, v_cache, seqlens, page_table=table,
-                                                  causal=self.causal, **options)
+                                                  causal=self.causal, **options, **scales)
 
         if s > 1 and (lengths_given is False or self.window_size[1] == 0):
             # A prompt into empty rows (the usual prefill): the cache holds exactly these s tokens and

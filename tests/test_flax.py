@@ -237,16 +237,21 @@ def rope(x, positions, theta, interleaved=False):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
-def reference(m, xq, xk=None, pos_q=None, pos_k=None, **override):
+def reference(m, xq, xk=None, pos_q=None, pos_k=None, kv=None, **override):
     """The layer in float64 from m's parameters: einsum projections, RoPE, kv heads expanded by repeat,
-    attention by tests/oracle.py, output projection. `override` replaces options (negative controls)."""
+    attention by tests/oracle.py, output projection. `override` replaces options (negative controls).
+    kv: (keys, values) (b, s_k, heads_kv, d) as the cache holds them (after RoPE) instead of
+    projections of xk (an FP8 cache's dequantized contents)."""
     opt = dict(causal=m.causal, window_size=m.window_size, softcap=m.softcap, rope_theta=m.rope_theta,
                sinks=None if m.sinks is None else f64(m.sinks[...]), expand=np.repeat, interleaved=False) | override
     xk = xq if xk is None else xk
     proj = lambda lin, x: np.einsum("bsf,fhd->bshd", f64(x), f64(lin.kernel[...])) + f64(lin.bias[...])  # noqa: E731
-    q, k, v = proj(m.query, xq), proj(m.key, xk), proj(m.value, xk)
+    q = proj(m.query, xq)
+    k, v = (proj(m.key, xk), proj(m.value, xk)) if kv is None else (f64(kv[0]), f64(kv[1]))
     if opt["rope_theta"] is not None:
-        q, k = (rope(t, p, opt["rope_theta"], opt["interleaved"]) for t, p in ((q, pos_q), (k, pos_k)))
+        q = rope(q, pos_q, opt["rope_theta"], opt["interleaved"])
+        if kv is None:
+            k = rope(k, pos_k, opt["rope_theta"], opt["interleaved"])
     g = m.num_heads // m.num_kv_heads  # query head h reads kv head h // g
     k, v = (opt["expand"](t, g, axis=2) for t in (k, v))
     o, _ = attention_oracle(q, k, v, softmax_scale=m.head_dim**-0.5, causal=opt["causal"],
@@ -343,15 +348,15 @@ PROMPT_LENGTHS = np.array([S, 5, 20], np.int32)
 N_STEPS = 4
 
 
-def run_padded_batch(m, seed=12):
+def run_padded_batch(m, seed=12, step=decode_step):
     """Right-padded prompts of PROMPT_LENGTHS prefilled in one decode call, then N_STEPS one-token
-    steps (jitted). Returns the per-row token sequences and the output of every call."""
+    steps (jitted by default). Returns the per-row token sequences and the output of every call."""
     b = len(PROMPT_LENGTHS)
     prompts = normal(seed, (b, S, F))  # the padding is random too: a padded key that leaks shows
     tokens = normal(seed + 1, (b, N_STEPS, F))
     outs = [m(prompts, decode=True, lengths=jnp.asarray(PROMPT_LENGTHS))]
     for t in range(N_STEPS):
-        outs.append(decode_step(m, tokens[:, t:t + 1], jnp.ones((b,), jnp.int32)))
+        outs.append(step(m, tokens[:, t:t + 1], jnp.ones((b,), jnp.int32)))
     np.testing.assert_array_equal(m.cache_lengths[...], PROMPT_LENGTHS + N_STEPS)
     seqs = [np.concatenate([prompts[r, :n], tokens[r]]) for r, n in enumerate(PROMPT_LENGTHS)]
     return seqs, [f32(o) for o in outs]
@@ -393,6 +398,82 @@ def test_paged_cache_equals_contiguous(page):
     # The default page table: row b owns pages [3b, 3b + 3).
     paged.init_cache(b, max_length, page_size=page)
     np.testing.assert_array_equal(paged.page_table[...], np.arange(b * 3).reshape(b, 3))
+
+
+FP8 = jnp.float8_e4m3fn
+K_SCALE = np.array([0.5, 2.0], np.float32)  # per KV head (GQA: 2), powers of two: dequantized values are exact
+V_SCALE = 0.25
+
+
+def as_rows(cache, table):
+    """A cache as (batch, max_length, heads_kv, d): contiguous as is, paged gathered by its table."""
+    cache = np.asarray(cache)
+    if table is None:
+        return cache
+    t = np.asarray(table)
+    return cache[t].reshape(t.shape[0], t.shape[1] * cache.shape[1], *cache.shape[2:])
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_fp8_cache_writes_quantized_tokens_and_attends_to_them(page):
+    opts = dict(rope_theta=10000.0, use_sinks=True, **GQA)
+    b, max_length = len(PROMPT_LENGTHS), 48
+    fp8, twin = make_layer(**opts), make_layer(**opts)  # the same parameters; twin has a bfloat16 cache
+    paging = {} if page is None else dict(
+        page_size=page, num_pages=13, page_table=np.random.default_rng(5).permutation(13)[:9].reshape(3, 3))
+    if page is None:
+        fp8.init_cache(b, max_length, dtype=FP8, k_scale=K_SCALE, v_scale=V_SCALE)
+    else:  # the scales as calibration would set them, after init_cache's defaults
+        fp8.init_cache(b, max_length, dtype=FP8, **paging)
+        np.testing.assert_array_equal(fp8.k_scale[...], [1.0, 1.0])
+        fp8.k_scale[...], fp8.v_scale[...] = jnp.asarray(K_SCALE), jnp.full((2,), V_SCALE, jnp.float32)
+    twin.init_cache(b, max_length, **paging)
+    assert fp8.cached_key.dtype == FP8 and fp8.cached_value.dtype == FP8 and twin.cached_key.dtype == jnp.bfloat16
+    assert fp8.k_scale[...].shape == (2,) and fp8.k_scale[...].dtype == jnp.float32
+    # Eager steps: op by op, every bf16 op rounds, in both layers alike (under jit XLA may keep the
+    # RoPE'd keys in float32 on their way into the quantization: codes one step apart at roundings).
+    eager = lambda m, x, lengths: m(x, decode=True, lengths=lengths)  # noqa: E731
+    seqs, outs = run_padded_batch(fp8, step=eager)
+    _, twin_outs = run_padded_batch(twin, step=eager)
+    table = None if page is None else fp8.page_table[...]
+    # Writes: every token the twin cached (bf16), quantized with its head's scale, bit for bit.
+    for cache, twin_cache, scale in ((fp8.cached_key, twin.cached_key, K_SCALE[:, None]),
+                                     (fp8.cached_value, twin.cached_value, V_SCALE)):
+        want = np.clip(f32(twin_cache[...]) * np.float32(1 / np.float32(scale)), -448, 448).astype(FP8)
+        np.testing.assert_array_equal(np.asarray(cache[...]).view(np.uint8), want.view(np.uint8))
+    # The prompts (into empty rows) attend to their own unquantized keys, as with a 16-bit cache.
+    np.testing.assert_array_equal(outs[0], twin_outs[0])
+    # Every step after them reads the FP8 cache as fp8 * scale.
+    keys = as_rows(fp8.cached_key[...], table).astype(np.float64) * K_SCALE[:, None]
+    values = as_rows(fp8.cached_value[...], table).astype(np.float64) * V_SCALE
+    for r, (seq, n) in enumerate(zip(seqs, PROMPT_LENGTHS)):
+        for t in range(N_STEPS):
+            e = n + t + 1
+            pos = np.arange(e)[None]
+            args = dict(pos_q=pos[:, e - 1:], kv=(keys[None, r, :e], values[None, r, :e]))
+            want = reference(fp8, seq[None, e - 1:e], **args)[0]
+            assert_close(outs[1 + t][r], want)
+            unscaled = reference(fp8, seq[None, e - 1:e], **(args | dict(kv=(keys[None, r, :e] / K_SCALE[:, None],
+                                                                          values[None, r, :e]))))[0]
+            assert np.abs(outs[1 + t][r] - unscaled).max() > 4 * U * np.abs(want).max()  # the scales matter
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(k_scale=0.5), ValueError, "k_scale / v_scale belong to an FP8 cache"),
+    (dict(dtype=FP8, k_scale=-1.0), ValueError, "k_scale must be positive and finite"),
+    (dict(dtype=FP8, v_scale=np.ones(3, np.float32)), ValueError, r"v_scale must be a scalar or have shape \(heads_kv,\) = \(2,\)"),
+    (dict(dtype=jnp.float8_e5m2), ValueError, "or jnp.float8_e4m3fn"),
+], ids=["scale_without_fp8", "negative_scale", "scale_shape", "e5m2"])
+def test_fp8_cache_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make_layer(**GQA).init_cache(2, 32, **kwargs)
+
+
+def test_fp8_cache_refuses_the_fa4_implementation_with_the_reason():
+    m = make_layer(implementation="fa4", **GQA)
+    m.init_cache(2, 32, dtype=FP8)
+    with pytest.raises(ValueError, match="cannot read float8_e4m3fn KV caches"):
+        m(normal(0, (2, 1, F)), decode=True)
 
 
 def test_jit_decode_step_updates_cache_in_place():
