@@ -3,6 +3,7 @@
 
     python examples/generate.py                         # tiny config on CPU, ~1B config on a GPU
     python examples/generate.py --xla-command-buffers off   # decode without XLA command buffers
+    python examples/generate.py --kv-dtype fp8              # FP8 (e4m3) KV caches beside bf16 ones
 
 Random weights (the point is the inference path, not the text): token embedding, N blocks of
 RMSNorm -> FA4Attention (GQA, RoPE, causal, paged KV cache) -> RMSNorm -> SwiGLU MLP, tied output
@@ -13,7 +14,11 @@ projection. It
    XLA reference (implementation="xla"), fed the same tokens;
 3. times prefill (tokens/s) and decode (per-token latency, measured inside one jitted loop of
    steps, so no host dispatch or sync per token: the loop is CUDA-graph friendly) for fa4_jax and,
-   on a GPU, for the same model with jax.nn.dot_product_attention's cuDNN kernel as the attention core.
+   on a GPU, for the same model with jax.nn.dot_product_attention's cuDNN kernel as the attention core;
+4. with --kv-dtype fp8, runs the same model on FP8 (e4m3) KV caches (FA4Attention.init_cache(dtype=
+   float8_e4m3fn), per-KV-head scales 1.0: the projections' keys and values are O(1)) and reports its
+   logits and greedy tokens against the bf16-cache model's, fed the same tokens, then times it (its
+   attention is the exact reference on the dequantized cache until an FP8 kernel exists).
 """
 
 from __future__ import annotations
@@ -105,9 +110,10 @@ class Decoder(nnx.Module):
         self.blocks = nnx.List([Block(c, attention_cls, implementation, rngs) for _ in range(c.layers)])
         self.norm = nnx.RMSNorm(c.dim, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
 
-    def init_cache(self, c: Config, paged: bool):
+    def init_cache(self, c: Config, paged: bool, kv_dtype=None):
+        """kv_dtype None: the compute dtype (bf16); jnp.float8_e4m3fn: FP8 caches with scales 1.0."""
         for blk in self.blocks:
-            blk.attn.init_cache(c.batch, c.max_length, page_size=c.page_size if paged else None)
+            blk.attn.init_cache(c.batch, c.max_length, page_size=c.page_size if paged else None, dtype=kv_dtype)
 
     def __call__(self, tokens, lengths=None):
         """tokens (b, s) int32 appended to each row's cache -> float32 logits (b, s, vocab)."""
@@ -162,18 +168,21 @@ def prompts(c: Config, seed=0):
     return jnp.asarray(tokens), jnp.asarray(lengths)
 
 
-def check_against_reference(c: Config, model: Decoder) -> tuple[float, float, float]:
+def check_against_reference(c: Config, model: Decoder, kv_dtype=None) -> tuple[float, float, float]:
     """Greedy decode with fa4_jax and, fed the same tokens, the XLA-reference model. Returns, over all
     steps, the worst relative RMS logit difference (|diff|_2 / |ref|_2 per step), the worst max
-    difference relative to the step's largest logit, and how often both pick the same token."""
+    difference relative to the step's largest logit, and how often both pick the same token.
+    kv_dtype (e.g. jnp.float8_e4m3fn): `model` runs on caches of that dtype and the reference is the
+    same fa4_jax model on bf16 caches (what the FP8 cache costs in accuracy)."""
     reference = nnx.clone(model)
-    for blk in reference.blocks:
-        blk.attn.implementation = "xla"
+    if kv_dtype is None:
+        for blk in reference.blocks:
+            blk.attn.implementation = "xla"
     tokens, lengths = prompts(c)
     worst = 0.0
     runs = []
-    for m in (model, reference):
-        m.init_cache(c, paged=True)
+    for m, dtype in ((model, kv_dtype), (reference, None)):
+        m.init_cache(c, paged=True, kv_dtype=dtype)
         runs.append(list(split(m)))
     token, rms, agree = None, 0.0, []
     for i in range(c.decode_steps + 1):
@@ -193,16 +202,16 @@ def check_against_reference(c: Config, model: Decoder) -> tuple[float, float, fl
     return rms, worst, float(np.mean(agree))
 
 
-def benchmark(c: Config, model: Decoder, paged: bool, repeats: int = 3):
+def benchmark(c: Config, model: Decoder, paged: bool, repeats: int = 3, kv_dtype=None):
     """(prefill tokens/s, decode seconds per token) for `model`: medians over `repeats` runs (after
     a warm-up) of one prefill call and of one jitted loop of c.decode_steps greedy steps, each timed
     alone (the fresh cache is allocated before the clock starts)."""
     tokens, lengths = prompts(c, seed=1)
-    model.init_cache(c, paged)  # the graph (which cache variables exist) must be the one run below
+    model.init_cache(c, paged, kv_dtype)  # the graph (which cache variables exist) must be the one run below
     graphdef, _, rest = split(model)
     t_prefill, t_decode = [], []
     for _ in range(repeats + 1):
-        model.init_cache(c, paged)
+        model.init_cache(c, paged, kv_dtype)
         cache = jax.block_until_ready(split(model)[1])
         t0 = time.perf_counter()
         last, cache = prefill(graphdef, cache, rest, tokens, lengths)
@@ -221,7 +230,10 @@ def main() -> int:
                         help="model size (default: 1b on a GPU, tiny elsewhere)")
     parser.add_argument("--xla-command-buffers", choices=("default", "off"), default="default",
                         help="off: --xla_gpu_enable_command_buffer= (decode without CUDA graphs)")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: also run the model on float8_e4m3fn KV caches and compare it with bf16 caches")
     args = parser.parse_args()
+    fp8 = args.kv_dtype == "fp8"
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     c = CONFIGS[args.config or ("1b" if on_gpu else "tiny")]
@@ -239,13 +251,23 @@ def main() -> int:
     ok = rms < 1e-2 and worst < 5e-2
     print(f"logits vs the XLA-reference model at every step: relative RMS diff <= {rms:.2e}, max |diff| / "
           f"max |logit| <= {worst:.2e}, same greedy token {agree:.1%}")
+    if fp8:
+        # FP8 rounds every cached key and value to 4 significant bits (relative error <= 2^-4), and the
+        # random layers carry that forward: the logits move by a few percent (tiny config on CPU:
+        # 6.4e-2), not by O(1) as a wrong cache would move them.
+        rms8, worst8, agree8 = check_against_reference(c, model, kv_dtype=jnp.float8_e4m3fn)
+        ok = ok and rms8 < 0.1 and agree8 >= 0.9
+        print(f"FP8 KV cache vs the bf16 cache at every step: relative RMS diff <= {rms8:.2e}, max |diff| / "
+              f"max |logit| <= {worst8:.2e}, same greedy token {agree8:.1%}")
 
-    rows = [("fa4_jax (paged)", model, True), ("fa4_jax (contiguous)", model, False)]
+    rows = [("fa4_jax (paged)", model, True, None), ("fa4_jax (contiguous)", model, False, None)]
+    if fp8:
+        rows.append(("fa4_jax (paged, FP8)", model, True, jnp.float8_e4m3fn))
     if on_gpu:
-        rows.append(("cuDNN (contiguous)", Decoder(c, CudnnAttention, rngs=nnx.Rngs(0)), False))
+        rows.append(("cuDNN (contiguous)", Decoder(c, CudnnAttention, rngs=nnx.Rngs(0)), False, None))
     results = {}
-    for name, m, paged in rows:
-        results[name] = benchmark(c, m, paged)
+    for name, m, paged, kv_dtype in rows:
+        results[name] = benchmark(c, m, paged, kv_dtype=kv_dtype)
         tps, tpt = results[name]
         print(f"  {name:20s} prefill {tps:10.0f} tokens/s   decode {tpt * 1e3:7.3f} ms/token (batch {c.batch})")
     if on_gpu:
@@ -253,6 +275,8 @@ def main() -> int:
         for name in ("fa4_jax (paged)", "fa4_jax (contiguous)"):
             f_tps, f_tpt = results[name]
             print(f"  {name} vs cuDNN: prefill {f_tps / c_tps:.2f}x, decode {c_tpt / f_tpt:.2f}x")
+    if fp8:
+        print("  (FP8 caches: attention is the exact reference on the dequantized cache; no FP8 kernel yet)")
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -17,15 +17,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("script,expect", [
-    ("generate.py", "logits vs the XLA-reference model at every step"),
-    ("sharded_inference.py", "context-parallel"),
-])
-def test_example_runs(script, expect):
+@pytest.mark.parametrize("script,flags,expect", [
+    ("generate.py", [], "logits vs the XLA-reference model at every step"),
+    ("generate.py", ["--kv-dtype", "fp8"], "FP8 KV cache vs the bf16 cache at every step"),
+    ("sharded_inference.py", [], "context-parallel"),
+], ids=["generate", "generate_fp8", "sharded_inference"])
+def test_example_runs(script, flags, expect):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)  # sharded_inference.py asks for its 8 host devices itself
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *flags], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert expect in proc.stdout and proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:]
 
