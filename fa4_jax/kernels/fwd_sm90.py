@@ -694,9 +694,11 @@ class FlashAttentionForwardSm90:
         blocks = problem.blocks(seqlen)
         n_block_min, n_block_max = problem.n_block_range(blocks, work)
         live_rows = None  # every row's results are stored
-        if const_expr(seams.q_load is QLoad.PACKED_GQA):
+        if const_expr(seams.q_load is QLoad.PACKED_GQA and cfg.num_consumer_wg == 1):
             # The tile's packed rows (queries x q-heads per KV head): a decode tile has 4 or 8 of its
-            # 64, and the softmax skips the warps' rows past them (OnlineSoftmax.step).
+            # 64, and the softmax skips the warps' rows past them (OnlineSoftmax.step). Not in the
+            # two-warpgroup chunk tiles: their rows are nearly all live, and the votes and branches
+            # in their compute-bound, ping-ponged mainloop cost ~10% (8 x 512 chunks, docs/PERF.md).
             live_rows = seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m
         acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
