@@ -34,6 +34,15 @@ import fa4_jax  # noqa: E402
 from benchmark_decode import LOOP, inputs, looped  # noqa: E402
 
 
+def gpu_kernels(trace_dir) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, name) of every GPU kernel in the jax.profiler.trace written to trace_dir."""
+    data = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    return sorted((e.start_ns, e.duration_ns, e.name)
+                  for plane in data.planes if plane.name.startswith("/device:GPU:")
+                  for line in plane.lines if "Stream" in line.name
+                  for e in line.events)
+
+
 def kernels_of_last_run(f, args) -> list[tuple[int, int, str]]:
     """(start ns, duration ns, name) of the GPU kernels of the last of two profiled runs of f."""
     for _ in range(3):
@@ -42,11 +51,7 @@ def kernels_of_last_run(f, args) -> list[tuple[int, int, str]]:
         with jax.profiler.trace(d):
             for _ in range(2):
                 jax.block_until_ready(f(*args))
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-        events = sorted((e.start_ns, e.duration_ns, e.name)
-                        for plane in data.planes if plane.name.startswith("/device:GPU:")
-                        for line in plane.lines if "Stream" in line.name
-                        for e in line.events)
+        events = gpu_kernels(d)
     # The two runs are separated by the host's synchronisation: split at the largest gap.
     gaps = [events[i + 1][0] - (events[i][0] + events[i][1]) for i in range(len(events) - 1)]
     cut = max(range(len(gaps)), key=gaps.__getitem__) + 1

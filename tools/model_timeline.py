@@ -24,13 +24,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import glob  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
 
-from jax._src.profiler import ProfileData  # noqa: E402  (jax's own reader of the xplane protobuf)
-
 import generate  # noqa: E402
+from decode_timeline import gpu_kernels  # noqa: E402
 
 
 def kernels(f, args) -> list[tuple[int, int, str]]:
@@ -44,11 +42,7 @@ def kernels(f, args) -> list[tuple[int, int, str]]:
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready(f(*fresh))
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-        return sorted((e.start_ns, e.duration_ns, e.name)
-                      for plane in data.planes if plane.name.startswith("/device:GPU:")
-                      for line in plane.lines if "Stream" in line.name
-                      for e in line.events)
+        return gpu_kernels(d)
 
 
 def main() -> int:
