@@ -111,3 +111,9 @@ def refuse_to_run(monkeypatch, module, primitive_name: str, api_name: str):
             raise AssertionError(f"{api_name} ran before its arguments were validated")
 
     monkeypatch.setattr(module, primitive_name, Refuse())
+
+
+def gather(cache, page_table):
+    """The contiguous (batch, max_pages * page_size, h, d) cache a paged one stands for."""
+    cache = np.asarray(cache)
+    return cache[page_table].reshape(page_table.shape[0], -1, *cache.shape[2:])

@@ -29,7 +29,7 @@ from flax import linen, nnx
 import fa4_jax
 import fa4_jax.flax as fa4_flax
 from fa4_jax.flax import FA4Attention, dot_product_attention
-from oracle import attention_oracle
+from oracle import attention_oracle, gather
 
 U = 2.0**-8  # bfloat16 unit roundoff
 F = 48  # model features: the projections map 48 -> heads x 64
@@ -405,15 +405,6 @@ K_SCALE = np.array([0.5, 2.0], np.float32)  # per KV head (GQA: 2), powers of tw
 V_SCALE = 0.25
 
 
-def as_rows(cache, table):
-    """A cache as (batch, max_length, heads_kv, d): contiguous as is, paged gathered by its table."""
-    cache = np.asarray(cache)
-    if table is None:
-        return cache
-    t = np.asarray(table)
-    return cache[t].reshape(t.shape[0], t.shape[1] * cache.shape[1], *cache.shape[2:])
-
-
 @pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
 def test_fp8_cache_writes_quantized_tokens_and_attends_to_them(page):
     opts = dict(rope_theta=10000.0, use_sinks=True, **GQA)
@@ -444,8 +435,9 @@ def test_fp8_cache_writes_quantized_tokens_and_attends_to_them(page):
     # The prompts (into empty rows) attend to their own unquantized keys, as with a 16-bit cache.
     np.testing.assert_array_equal(outs[0], twin_outs[0])
     # Every step after them reads the FP8 cache as fp8 * scale.
-    keys = as_rows(fp8.cached_key[...], table).astype(np.float64) * K_SCALE[:, None]
-    values = as_rows(fp8.cached_value[...], table).astype(np.float64) * V_SCALE
+    as_rows = lambda c: np.asarray(c) if table is None else gather(c, np.asarray(table))  # noqa: E731
+    keys = as_rows(fp8.cached_key[...]).astype(np.float64) * K_SCALE[:, None]
+    values = as_rows(fp8.cached_value[...]).astype(np.float64) * V_SCALE
     for r, (seq, n) in enumerate(zip(seqs, PROMPT_LENGTHS)):
         for t in range(N_STEPS):
             e = n + t + 1

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fa4_jax import attention_with_kvcache, update_kvcache
-from oracle import (F32_ATOL, LSE_ATOL, OPTION_CASES, UNIT_ROUNDOFF, attention_oracle, make_sinks,
+from oracle import (F32_ATOL, LSE_ATOL, OPTION_CASES, UNIT_ROUNDOFF, attention_oracle, gather, make_sinks,
                     refuse_to_run, visible_mask)
 
 # The module itself: the no_run fixture replaces the reference it calls.
@@ -58,12 +58,6 @@ def shuffled_page_table(seed, b, max_pages, num_pages, *, share=True):
     if share:
         table[1, 0] = table[0, 0]
     return table
-
-
-def gather(cache, page_table):
-    """The contiguous (batch, max_pages * page_size, h, d) cache a paged one stands for."""
-    cache = np.asarray(cache)
-    return cache[page_table].reshape(page_table.shape[0], -1, *cache.shape[2:])
 
 
 def kvcache_oracle(q, k_cache, v_cache, cache_seqlens, *, page_table=None, softmax_scale=SCALE, **kwargs):
