@@ -110,6 +110,17 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   } else if (kv_rows != b) {
     return Invalid("a contiguous cache must be (batch, capacity, heads_kv, head_dim); got " + DimsText(kd));
   }
+  // FP8 caches (float8_e4m3fn, both) come with their per-KV-head float32 scales; 16-bit caches without.
+  const bool kv_fp8 = c.k_cache.element_type() == ffi::DataType::F8E4M3FN;
+  if (c.v_cache.element_type() != c.k_cache.element_type())
+    return Invalid("k_cache and v_cache must have one dtype (q's, or float8_e4m3fn for both)");
+  if (kv_fp8 != c.k_scale.has_value() || kv_fp8 != c.v_scale.has_value())
+    return Invalid(kv_fp8 ? "float8_e4m3fn caches need k_scale and v_scale (float32 (heads_kv,))"
+                          : "k_scale / v_scale go with float8_e4m3fn caches only");
+  for (const auto *scale : {&c.k_scale, &c.v_scale})
+    if (scale->has_value() && (*scale)->dimensions()[0] != h_k)
+      return Invalid("k_scale and v_scale must be float32 (heads_kv,) = (" + std::to_string(h_k) + ",); got " +
+                     DimsText((*scale)->dimensions()));
   auto sk = c.sinks.dimensions();
   if (sk[0] != h_q) return Invalid("sinks must be float32 (heads_q,); got " + DimsText(sk));
   auto oad = c.o_accum.dimensions(), lad = c.lse_accum.dimensions();
@@ -148,7 +159,7 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   // One `local` kernel serves every window (spec.MASK): ResolveAttention turned an unbounded side into
   // a bound that covers every key.
   if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), Mask::kLocal, c.softcap > 0, paged, tile_m,
-                                    static_cast<int>(paged ? c.page_rows : kPageRows)},
+                                    static_cast<int>(paged ? c.page_rows : kPageRows), kv_fp8},
                   dev, r);
       err.failure())
     return err;

@@ -20,7 +20,7 @@ from fa4_jax.families import FAMILIES
 # A size for every dim name the families use (distinct, so a swapped dim shows). "b1" is b + 1.
 SIZES = dict(b=2, b1=3, qb=1, s_q=3, s_k=5, h_q=4, h_k=2, d=64, kv_rows=6, kv_len=16, max_pages=3, total_q=7, total_k=9,
              splits=2, n_tile_entries=8)
-MLIR_DTYPES = {"input": "bf16", "f32": "f32", "i32": "i32"}
+MLIR_DTYPES = {"input": "bf16", "cache": "bf16", "f32": "f32", "i32": "i32"}
 ATTR_VALUES = {"f32": 0.5, "i32": 1, "bool": True}
 
 
@@ -33,7 +33,7 @@ def _cases():
 
 
 def _spec(buffer):
-    dtype = jnp.bfloat16 if buffer.dtype == "input" else {"f32": jnp.float32, "i32": jnp.int32}[buffer.dtype]
+    dtype = jnp.bfloat16 if buffer.dtype in ("input", "cache") else {"f32": jnp.float32, "i32": jnp.int32}[buffer.dtype]
     return jax.ShapeDtypeStruct(tuple(SIZES[d] for d in buffer.dims), dtype)
 
 

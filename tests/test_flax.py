@@ -461,10 +461,10 @@ def test_fp8_cache_errors(kwargs, error, match):
         make_layer(**GQA).init_cache(2, 32, **kwargs)
 
 
-def test_fp8_cache_refuses_the_fa4_implementation_with_the_reason():
-    m = make_layer(implementation="fa4", **GQA)
+def test_fp8_cache_refuses_the_cudnn_implementation_with_the_reason():
+    m = make_layer(implementation="cudnn", **GQA)
     m.init_cache(2, 32, dtype=FP8)
-    with pytest.raises(ValueError, match="cannot read float8_e4m3fn KV caches"):
+    with pytest.raises(ValueError, match='implementation="cudnn" cannot read float8_e4m3fn KV caches'):
         m(normal(0, (2, 1, F)), decode=True)
 
 

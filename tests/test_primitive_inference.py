@@ -110,8 +110,9 @@ def test_targets_are_the_current_abis():
     # change must be deliberate (a new version suffix), never a side effect. kvcache v2: an absent
     # page table is a zero-size operand with has_page_table = false (v1: a dummy table and `paged`);
     # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q and tile_m attributes); v4: an
-    # optional tile list (ragged calls with more than one query tile per sequence).
-    assert KV_TARGET == "fa4_jax_kvcache_v5", f"{KV_TARGET=}"
+    # optional tile list (ragged calls with more than one query tile per sequence); v5: the opt-in
+    # attribute; v6: FP8 caches with the k_scale / v_scale operands.
+    assert KV_TARGET == "fa4_jax_kvcache_v6", f"{KV_TARGET=}"
     assert VL_TARGET == "fa4_jax_varlen_v2", f"{VL_TARGET=}"
 
 

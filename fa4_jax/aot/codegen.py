@@ -91,6 +91,9 @@ def _dtype_check(b: Buffer, ref: str) -> list[str]:
     x = f"c.{b.name}" + ("->" if b.optional else ".")
     if b.dtype == "input":
         cond, want = f"{x}element_type() != {ref}", "the input dtype (q's)"
+    elif b.dtype == "cache":
+        cond = f"{x}element_type() != {ref} && {x}element_type() != ffi::DataType::F8E4M3FN"
+        want = "the input dtype (q's) or float8_e4m3fn"
     else:
         (enum,) = BUFFER_DTYPES[b.dtype]
         cond, want = f"{x}element_type() != ffi::DataType::{enum}", {"f32": "float32", "i32": "int32"}[b.dtype]

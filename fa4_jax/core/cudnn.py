@@ -181,6 +181,8 @@ def cudnn_reason(entry: str, avals, params: dict, *, compute_capability=None) ->
     q, k = avals[0], avals[1]
     if any(_static(d) and d == 0 for a in avals[:3] for d in a.shape):
         return "zero-size shapes run the reference"
+    if entry == KVCACHE and params.get("kv_fp8"):
+        return "cuDNN has no FP8 KV-cache attention in jax"
     if entry == KVCACHE and params.get("paged"):
         return _PAGED
     if entry == KVCACHE and params.get("ragged"):
@@ -284,9 +286,9 @@ def _attention(q, k, v, *sinks, softmax_scale, window_left, window_right, softca
 
 
 def _kvcache(q, k, v, seqlens, *rest, softmax_scale, window_left, window_right, softcap, has_sinks, paged,
-             ragged, max_seqlen_q, tile_m, page_rows, num_splits, implementation):
-    # contiguous, not ragged, no sinks (cudnn_reason)
-    del rest, softcap, has_sinks, paged, ragged, max_seqlen_q, tile_m, page_rows, num_splits, implementation
+             ragged, kv_fp8, max_seqlen_q, tile_m, page_rows, num_splits, implementation):
+    # contiguous, not ragged, no sinks, 16-bit caches (cudnn_reason)
+    del rest, softcap, has_sinks, paged, ragged, kv_fp8, max_seqlen_q, tile_m, page_rows, num_splits, implementation
     b, s_q = q.shape[:2]
     mask, window = mask_spec(KVCACHE, s_q, k.shape[1], (window_left, window_right))
     kv_len = jnp.clip(seqlens, 0, k.shape[1]).astype(jnp.int32)

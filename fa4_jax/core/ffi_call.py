@@ -33,7 +33,7 @@ def bind_dims(buffers, arrays: dict, dims: dict | None = None) -> dict:
 
 
 def _dtype(b: Buffer, input_dtype):
-    return input_dtype if b.dtype == "input" else _JNP_DTYPES[b.dtype]
+    return input_dtype if b.dtype in ("input", "cache") else _JNP_DTYPES[b.dtype]
 
 
 def pack_operands(family: KernelFamily, arrays: dict, sizes: dict) -> tuple[list, dict]:
@@ -54,7 +54,7 @@ def pack_operands(family: KernelFamily, arrays: dict, sizes: dict) -> tuple[list
             x = jnp.full(tuple(sizes[d] for d in b.dims), b.fill, _dtype(b, input_dtype))
         elif x is None:
             raise ValueError(f"{family.name}: operand {b.name} is required")
-        elif b.dtype != "input":
+        elif b.dtype not in ("input", "cache"):  # a cache keeps its own dtype (16-bit or FP8)
             x = jnp.asarray(x).astype(_dtype(b, input_dtype))
         out.append(x)
     return out, presence

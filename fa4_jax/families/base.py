@@ -80,7 +80,8 @@ def params_as_scalars(params: tuple[Field, ...], *names: str) -> tuple[ScalarArg
 
 # Element types an FFI buffer may declare: "input" is the call's element type (q's: bf16 or f16; every
 # "input" buffer shares it), the others are fixed. Values: the xla::ffi::DataType enumerator(s).
-BUFFER_DTYPES = {"input": ("BF16", "F16"), "f32": ("F32",), "i32": ("S32",)}
+# "cache" is a KV cache's: q's dtype, or float8_e4m3fn (an FP8 cache with its scales).
+BUFFER_DTYPES = {"input": ("BF16", "F16"), "cache": ("BF16", "F16", "F8E4M3FN"), "f32": ("F32",), "i32": ("S32",)}
 # Attribute kinds: (C++ type, numpy type name) -- the FFI ABI is typed, so both sides must agree.
 ATTR_TYPES = {"f32": ("float", "float32"), "i32": ("int32_t", "int32"), "bool": ("bool", "bool_")}
 
@@ -119,7 +120,7 @@ class Buffer:
     def align(self) -> int:
         """Bytes the execute stage requires of its address: 16 where the kernels use TMA or 16-byte
         vector accesses (the call's tensors and the workspace), 4 for scalar float/int arrays."""
-        return 16 if self.dtype == "input" or self.workspace else 4
+        return 16 if self.dtype in ("input", "cache") or self.workspace else 4
 
 
 @dataclass(frozen=True)

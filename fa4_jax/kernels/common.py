@@ -27,10 +27,10 @@ def stride(divisibility: int = 1):
 def fake_bshd(dtype, head_dim: int):
     """(batch, seqlen, heads, head_dim): dynamic b/s/h and strides, static unit-stride head_dim.
 
-    Strides are multiples of 8 elements (16 bytes) because head_dim is a multiple of 16: TMA
-    requires 16-byte aligned global strides, and declaring it lets the compiler prove it."""
+    Strides are multiples of 16 bytes (8 16-bit or 16 FP8 elements) because head_dim is a multiple
+    of 16: TMA requires 16-byte aligned global strides, and declaring it lets the compiler prove it."""
     b, s, h = cute.SymInt(), cute.SymInt(), cute.SymInt()
-    sb, ss, sh = (stride(8) for _ in range(3))
+    sb, ss, sh = (stride(128 // dtype.width) for _ in range(3))
     return make_fake_tensor(dtype, (b, s, h, head_dim), (sb, ss, sh, 1), assumed_align=16)
 
 

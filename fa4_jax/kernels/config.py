@@ -39,6 +39,9 @@ class Sm90FwdConfig:
     # CTAs resident per SM: the launch asks ptxas for min_blocks_per_mp of them, so registers per
     # thread are capped at 64K / (ctas * threads) and shared memory must fit ctas times.
     ctas_per_sm: int = 1
+    # FP8 K/V (KV-cache decode tiles): the stages hold 1-byte elements, and the consumer widens each
+    # block into one fp16 K and one fp16 V buffer that its wgmma reads (fwd_sm90.py, dequant).
+    kv_fp8: bool = False
 
     def __post_init__(self):
         if self.tile_m % 64:
@@ -73,8 +76,9 @@ class Sm90FwdConfig:
     def _base_smem_bytes(self) -> int:
         elem = 2  # bf16 / fp16
         q = self.tile_m * self.head_dim * elem
-        kv = 2 * self.stages * self.tile_n * self.head_dim * elem
-        return q + kv + 1024  # mbarriers + alignment slack
+        kv = 2 * self.stages * self.tile_n * self.head_dim * (1 if self.kv_fp8 else elem)
+        widened = 2 * self.tile_n * self.head_dim * elem if self.kv_fp8 else 0
+        return q + kv + widened + 1024  # mbarriers + alignment slack
 
     @property
     def separate_o(self) -> bool:
@@ -101,7 +105,7 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90FwdConfig:
+def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8: bool = False) -> Sm90FwdConfig:
     """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
     warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
     is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
@@ -142,9 +146,13 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False) -> Sm90
         producer_regs, consumer_regs = (40, 216) if paged else (24, 232)
         max_stages = 3 if paged else 2
 
+    if kv_fp8:
+        # FP8 stages are half the bytes: twice as many keep the same bytes in flight per SM.
+        max_stages *= 2
+
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
-                             o_staging=False, ctas_per_sm=ctas)
+                             o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8)
 
     stages = 2
     while stages < max_stages:

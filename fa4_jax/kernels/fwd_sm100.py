@@ -242,6 +242,8 @@ class FlashAttentionForwardSm100:
         mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
         mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): a combine launch
+        mKScale: cute.Tensor,  # (h_k,) FP8 caches' scales: no SM100 variant reads FP8 caches (spec.FP8_ARCHES)
+        mVScale: cute.Tensor,
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,

@@ -77,7 +77,7 @@ from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
-from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, transpose_2d, wgmma
+from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, transpose_2d, wgmma
 
 _LOG2E = 1.4426950408889634
 
@@ -87,6 +87,8 @@ class FlashAttentionForwardSm90:
 
     def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None,
                  page_rows: int = PAGE_ROWS):
+        # FP8 K/V (cfg.kv_fp8, KV-cache decode tiles): see dequant() and quantize_q().
+        self.kv_fp8 = cfg.kv_fp8
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -102,6 +104,9 @@ class FlashAttentionForwardSm90:
             # The row gather and the per-row stores are written for one or two warpgroups that store
             # O from registers.
             raise ValueError("pack-GQA tiles use one or two consumer warpgroups and no O staging")
+        if self.kv_fp8 and (self.seams.q_load is not QLoad.PACKED_GQA or cfg.num_consumer_wg != 1):
+            # The widened K/V buffers are one warpgroup's: it converts a block, then its gemms read it.
+            raise ValueError("FP8 K/V: KV-cache tiles of one consumer warpgroup only")
         if page_rows not in PAGE_ROWS_CHOICES:
             raise ValueError(f"page_rows must be one of {PAGE_ROWS_CHOICES}; got {page_rows}")
         if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
@@ -189,6 +194,8 @@ class FlashAttentionForwardSm90:
         mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
         mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): a combine launch
+        mKScale: cute.Tensor,  # (h_k,) float32: FP8 caches' scales (read by kv_fp8 variants only)
+        mVScale: cute.Tensor,
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -200,7 +207,7 @@ class FlashAttentionForwardSm90:
         stream: cuda.CUstream,
     ):
         self.expect(Seqlens.CACHE)
-        self.check_dtypes(mQ, mK, mV, mO)
+        self.check_dtypes(mQ, mK, mV, mO, self.kv_fp8)
         # K/V: (rows, d, h_k, batch-or-page) for TMA, head_dim contiguous. Q, O and LSE keep their
         # layout: pack-GQA rows are gathered and stored one by one.
         mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
@@ -218,7 +225,7 @@ class FlashAttentionForwardSm90:
                     window_left, window_right, mPageTable=mPageTable, mSeqlensK=mSeqlensK, mOaccum=mOaccum,
                     mLSEaccum=mLSEaccum, mCuSeqlensQ=mCuSeqlensQ, num_splits=num_splits, kv_len=mK.shape[0],
                     num_m_blocks=num_m_blocks, ragged=ragged, mTileList=mTileList, n_listed=n_listed,
-                    mSemaphores=mSemaphores)
+                    mSemaphores=mSemaphores, mKScale=mKScale, mVScale=mVScale)
         if num_splits > 1:
             # Without tile counters (ffi/kvcache.cc could not give any) a second kernel merges the splits.
             if mSemaphores.shape[0] == 0:
@@ -232,20 +239,31 @@ class FlashAttentionForwardSm90:
             raise TypeError(f"this kernel is configured for {self.seams}, not {seqlens}")
 
     @staticmethod
-    def check_dtypes(mQ, mK, mV, mO):
-        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type)):
+    def check_dtypes(mQ, mK, mV, mO, kv_fp8: bool = False):
+        if const_expr(kv_fp8):
+            if const_expr(not (mQ.element_type == mO.element_type
+                               and mK.element_type == mV.element_type == cutlass.Float8E4M3FN)):
+                raise TypeError("FP8 K/V: k and v float8_e4m3fn, q and o of one 16-bit dtype")
+        elif const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type)):
             raise TypeError("q, k, v and o must share one dtype")
 
     def launch(self, grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                window_left, window_right, mPageTable=None, mSeqlensK=None, mOaccum=None, mLSEaccum=None,
                mCuSeqlensQ=None, mCuSeqlensK=None, mSequsedK=None, num_splits=None, kv_len=None,
-               num_m_blocks=None, ragged=None, mTileList=None, n_listed=None, mSemaphores=None):
+               num_m_blocks=None, ragged=None, mTileList=None, n_listed=None, mSemaphores=None, mKScale=None,
+               mVScale=None):
         """TMA descriptors, shared storage and the launch of `kernel`, for the seams' tensors (the
         others None). K/V, and Q and O where TMA moves them, are (rows, d, h[, b]) here."""
         cfg, seams = self.cfg, self.seams
         dtype = mQ.element_type
-        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(dtype, cfg.num_consumer_wg)
+        kv_dtype = mK.element_type  # (mK becomes a TMA coordinate tensor below)
+        # FP8 K/V: the gemms run in fp16 on Q scaled into fp16's range and the widened K/V.
+        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(self.mma_dtype(dtype), cfg.num_consumer_wg)
         sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
+        sKV16_layout = None
+        if const_expr(self.kv_fp8):
+            sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=1)[1]
+            sKV_layout = self.make_smem_layouts(kv_dtype)[1]  # the FP8 stages TMA fills
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q = tma_atom_O = None
@@ -253,7 +271,7 @@ class FlashAttentionForwardSm90:
             tma_atom_Q, mQ = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (cfg.tile_m, cfg.head_dim))
             self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
-        self.kv_bytes = cute.size_in_bytes(dtype, kv_tile)
+        self.kv_bytes = cute.size_in_bytes(kv_dtype, kv_tile)
         tma_atom_K = tma_atom_V = None  # kv_gather: cp.async from the tensors themselves
         if const_expr(not self.kv_gather):
             # A paged block is tile_n / page_rows TMA pieces, each into its rows of the stage's tile.
@@ -270,14 +288,14 @@ class FlashAttentionForwardSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, cfg.head_dim)
             )
             sO_size = cute.cosize(sQ_layout) if cfg.separate_o else 0
-        self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size)
+        self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size, kv_dtype, sKV16_layout)
 
         self.kernel(
             mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-            mTileList, mSemaphores,
+            mTileList, mSemaphores, mKScale, mVScale,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
-            tiled_mma_qk, tiled_mma_pv,
+            sKV16_layout, tiled_mma_qk, tiled_mma_pv,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency_kwargs())
 
     def residency_kwargs(self) -> dict:
@@ -291,20 +309,28 @@ class FlashAttentionForwardSm90:
     # ------------------------------------------------------------------------------------------
     # Building blocks (called while tracing: plain Python that emits the same code wherever used).
     # ------------------------------------------------------------------------------------------
-    def make_shared_storage(self, dtype, sQ_layout, sKV_layout, sO_size: int | None):
+    def make_shared_storage(self, dtype, sQ_layout, sKV_layout, sO_size: int | None, kv_dtype=None,
+                            sKV16_layout=None):
         """Q's mbarriers only where TMA loads Q; the sO field only for the TMA_STORE epilogue
-        (size 0 when O reuses Q's buffer)."""
+        (size 0 when O reuses Q's buffer). FP8 K/V (sKV16_layout given): the stages in kv_dtype, and
+        the widened fp16 K and V buffers with the Q scale's cross-warp slots."""
         cfg = self.cfg
         mbar = cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
 
-        def smem(n):
-            return cute.struct.Align[cute.struct.MemRange[dtype, n], 1024]
+        def smem(n, t=dtype):
+            return cute.struct.Align[cute.struct.MemRange[t, n], 1024]
 
         fields = {}
         if self.seams.q_load is QLoad.TMA:
             fields["mbar_q"] = cute.struct.MemRange[cutlass.Int64, 2]
+        # (Shared-memory structs hold DSL scalar types: FP8 stages are bytes, viewed as FP8 in kernel.)
+        kv_dtype = dtype if kv_dtype is None else (cutlass.Uint8 if self.kv_fp8 else kv_dtype)
         fields.update(mbar_k=mbar, mbar_v=mbar, sQ=smem(cute.cosize(sQ_layout)),
-                      sK=smem(cute.cosize(sKV_layout)), sV=smem(cute.cosize(sKV_layout)))
+                      sK=smem(cute.cosize(sKV_layout), kv_dtype), sV=smem(cute.cosize(sKV_layout), kv_dtype))
+        if self.kv_fp8:
+            fields.update(sK16=smem(cute.cosize(sKV16_layout), cutlass.Float16),
+                          sV16=smem(cute.cosize(sKV16_layout), cutlass.Float16),
+                          q_amax=cute.struct.MemRange[Float32, 4])
         if self.seams.epilogue is Epilogue.TMA_STORE:
             fields["sO"] = smem(sO_size)
         if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
@@ -326,15 +352,21 @@ class FlashAttentionForwardSm90:
         )
         return tiled_mma_qk, tiled_mma_pv
 
-    def make_smem_layouts(self, dtype):
-        """(sQ_layout (tile_m, d), sKV_layout (tile_n, d, stages)), 128-byte swizzled rows."""
+    def make_smem_layouts(self, dtype, stages: int | None = None):
+        """(sQ_layout (tile_m, d), sKV_layout (tile_n, d, stages: cfg.stages unless given)), swizzled
+        rows (128 bytes where the row is that long)."""
         cfg = self.cfg
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cfg.head_dim), dtype
         )
         sQ_layout = cute.tile_to_shape(atom, (cfg.tile_m, cfg.head_dim), order=(0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages), order=(0, 1, 2))
+        sKV_layout = cute.tile_to_shape(atom, (cfg.tile_n, cfg.head_dim, cfg.stages if stages is None else stages),
+                                        order=(0, 1, 2))
         return sQ_layout, sKV_layout
+
+    def mma_dtype(self, dtype):
+        """The gemms' operand type: q's, or fp16 with FP8 K/V (e4m3 widens to fp16 exactly)."""
+        return cutlass.Float16 if self.kv_fp8 else dtype
 
     def make_pipelines(self, storage, with_q: bool = True):
         """TMA pipelines for Q (one stage; None without with_q), K and V (cfg.stages each), from the
@@ -452,6 +484,8 @@ class FlashAttentionForwardSm90:
         mSequsedK: Optional[cute.Tensor],
         mTileList: Optional[cute.Tensor],  # KV cache: (sequence, m_block) pairs when n_listed > 0
         mSemaphores: Optional[cute.Tensor],  # KV cache: tile counters of the fused combine (TileProblem)
+        mKScale: Optional[cute.Tensor],  # FP8 K/V: (h_k,) float32 scales
+        mVScale: Optional[cute.Tensor],
         mSinks: cute.Tensor,
         tma_atom_Q: Optional[cute.CopyAtom],
         tma_atom_K: Optional[cute.CopyAtom],  # None: K/V gathered by cp.async (kv_gather)
@@ -468,6 +502,7 @@ class FlashAttentionForwardSm90:
         n_listed: Optional[Int32],  # KV cache: entries of mTileList (0: no list)
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
+        sKV16_layout: Optional[cute.ComposedLayout],  # FP8 K/V: the widened fp16 buffers
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
     ):
@@ -483,14 +518,21 @@ class FlashAttentionForwardSm90:
         pipe_q, pipe_k, pipe_v = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        kv_dtype = cutlass.Float8E4M3FN if const_expr(self.kv_fp8) else None  # (mK is TMA coordinates here)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner, dtype=kv_dtype)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner, dtype=kv_dtype)
         sO = None
         if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(cfg.separate_o) else sQ
         sMergeFlag = None
         if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
             sMergeFlag = storage.merge_flag.get_tensor(cute.make_layout(1))
+        fp8 = None
+        if const_expr(self.kv_fp8):
+            fp8 = _Fp8Tile(sK, sV, storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner),
+                           storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner),
+                           storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner, dtype=cutlass.Float16),
+                           storage.q_amax.get_tensor(cute.make_layout(4)), mKScale, mVScale)
 
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
@@ -507,7 +549,7 @@ class FlashAttentionForwardSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
                          tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, scheduler,
-                         problem, sMergeFlag)
+                         problem, sMergeFlag, fp8)
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
@@ -612,14 +654,17 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
                 tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale,
-                scheduler: StaticPersistentTileScheduler, problem: TileProblem, sMergeFlag=None):
+                scheduler: StaticPersistentTileScheduler, problem: TileProblem, sMergeFlag=None, fp8=None):
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - 128
         self.stamps.begin_consumer()
         wg = 0  # one consumer warpgroup: a compile-time 0
         if const_expr(cfg.num_consumer_wg > 1):
             wg = cute.arch.make_warp_uniform(tidx // 128)
-        frags = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg)
+        if const_expr(fp8 is not None):  # the gemms read fp16 Q and the widened K/V
+            frags = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, fp8.sQ16, fp8.sK16, fp8.sV16, wg)
+        else:
+            frags = self.consumer_fragments(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         tOcO = None  # (row, col) of each O accumulator this thread holds, for stores from registers
@@ -633,7 +678,7 @@ class FlashAttentionForwardSm90:
         sink_log2 = None  # pack-GQA: one sink per row (rows mix q-heads)
         if const_expr(self.seams.q_load is QLoad.PACKED_GQA):
             sink_log2 = cute.make_rmem_tensor(softmax.row_max.layout, Float32)
-        tile = _ConsumerTile(frags, tScS, tOcO, softmax, o_scale, sink_log2, tidx, wg)
+        tile = _ConsumerTile(frags, tScS, tOcO, softmax, o_scale, sink_log2, tidx, wg, fp8)
 
         if const_expr(cfg.warpgroup_pingpong):
             # The gemm-issue token starts with the first warpgroup. Each tile passes it around the
@@ -690,7 +735,7 @@ class FlashAttentionForwardSm90:
         cfg, seams = self.cfg, self.seams
         tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape = tile.frags
         softmax, o_scale = tile.softmax, tile.o_scale
-        dtype = sQ.element_type
+        dtype = self.mma_dtype(sQ.element_type)
         blocks = problem.blocks(seqlen)
         n_block_min, n_block_max = problem.n_block_range(blocks, work)
         live_rows = None  # every row's results are stored
@@ -709,11 +754,20 @@ class FlashAttentionForwardSm90:
                 pipe_q.consumer_wait(q_state)
             else:
                 gather_packed_q(cfg, mQ, sQ, tile.tidx, work, seqlen, problem)
+            tile_softmax, tile_prescale = softmax, softcap_prescale
+            if const_expr(tile.fp8 is not None):
+                # Q in fp16, scaled by 2^e into its range: the scores come out 2^e / k_scale times the
+                # true ones, which the tile's softmax factor takes back.
+                unscale = self.quantize_q(sQ, tile.fp8, tile.tidx, work, live_rows)
+                if const_expr(self.softcap):
+                    tile_prescale = softcap_prescale * unscale
+                else:
+                    tile_softmax = OnlineSoftmax(softmax.scale_log2 * unscale, softmax.row_max, softmax.row_sum)
             self.stamps.consumer_at(phase_times.Q_READY)
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                   s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS),
-                                  softmax, softcap_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
-                                  dtype, sV, tile.tidx, live_rows)
+                                  tile_softmax, tile_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
+                                  dtype, sV, tile.tidx, live_rows, tile.fp8)
             self.stamps.consumer_at(phase_times.MAINLOOP_END)
             if const_expr(seams.q_load is QLoad.TMA):
                 if const_expr(seams.epilogue is not Epilogue.TMA_STORE and not cfg.separate_o):
@@ -727,6 +781,10 @@ class FlashAttentionForwardSm90:
         else:
             sink = mSinks[work.head] * _LOG2E
         inv_sum = softmax.finalize(sink)
+        if const_expr(tile.fp8 is not None):  # O = P (V_fp8 * v_scale): the scale is the KV head's
+            v_scale = tile.fp8.mVScale[work.head]
+            for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                inv_sum[r] = inv_sum[r] * v_scale
         OnlineSoftmax.rescale(acc_O, inv_sum)
         if const_expr(seams.epilogue is Epilogue.TMA_STORE):
             epi.tma_store(cfg, acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tile.tidx,
@@ -743,12 +801,14 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape,
                  state, pipe_q, q_state, pipe_k, pipe_v, mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale,
-                 blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype, sV=None, tidx=None, live_rows=None):
+                 blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype, sV=None, tidx=None, live_rows=None,
+                 fp8=None):
         """All K/V blocks of one query tile (Q already in smem), from the highest block index down:
         the first block carries the seqlen_k boundary and the window's right edge; the phases after
         it are listed in block_info.py. `state` is the K/V consumer state; returns it advanced past
         this tile's blocks. sV and tidx (the consumer thread index) are needed with FwdSeams.keys_past_end;
-        live_rows bounds the rows whose results are stored (OnlineSoftmax.step; None: all)."""
+        live_rows bounds the rows whose results are stored (OnlineSoftmax.step; None: all). fp8 (a
+        _Fp8Tile): each FP8 stage is widened into the fp16 buffer the gemm reads (dequant)."""
         cfg = self.cfg
 
         # First block (highest index): S only; its PV gemm is issued in the next step.
@@ -756,14 +816,20 @@ class FlashAttentionForwardSm90:
         self._kv_wait(pipe_k, state)
         self.stamps.consumer_at(phase_times.FIRST_K)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=0)
-        pipe_k.consumer_release(state)
+        if const_expr(fp8 is not None):
+            self.dequant(fp8.sK8, state.index, fp8.sK16, tidx, wg)
+            pipe_k.consumer_release(state)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, 0], zero_init=True, wait=0)
+        else:
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=0)
+            pipe_k.consumer_release(state)
         if const_expr(self.softcap):
             OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
         mask.apply(acc_S, m_block, n_block, seqlen=True, window=True)
         softmax.step(acc_S, is_first=True, rows=mask.tScS_mn, live_rows=live_rows)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
-        if const_expr(self.seams.keys_past_end):
+        if const_expr(self.seams.keys_past_end and fp8 is None):
+            # (FP8: dequant zeroes these rows as it widens the block.)
             # Only the first block can hold the sequence's last key (later ones are full); its V
             # arrives right behind the next K, so waiting for it here costs little, and only tiles
             # whose sequence ends inside the block pay anything beyond a compare.
@@ -775,7 +841,8 @@ class FlashAttentionForwardSm90:
         step = partial(self.step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
                        tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, o_scale=o_scale,
                        s_shape=s_shape, pipe_k=pipe_k, pipe_v=pipe_v, mask=mask, softmax=softmax,
-                       softcap_prescale=softcap_prescale, m_block=m_block, wg=wg, dtype=dtype, live_rows=live_rows)
+                       softcap_prescale=softcap_prescale, m_block=m_block, wg=wg, dtype=dtype, live_rows=live_rows,
+                       fp8=fp8, tidx=tidx, seqlen_k=blocks.seqlen.seqlen_k)
         # Blocks left to do: [n_block_min, n_block_max - 1), highest first.
         hi = n_block_max - 1
         if const_expr(blocks.has_right_edge):
@@ -802,38 +869,58 @@ class FlashAttentionForwardSm90:
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, state)
-        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wait=0)
-        pipe_v.consumer_release(state)
+        if const_expr(fp8 is not None):
+            self.dequant(fp8.sV8, state.index, fp8.sV16, tidx, wg,
+                         blocks.seqlen.seqlen_k - n_block_min * cfg.tile_n)
+            pipe_v.consumer_release(state)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, 0], wait=0)
+        else:
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], wait=0)
+            pipe_v.consumer_release(state)
         state.advance()
         return state
 
     @cute.jit
     def step(self, state, n_block, masked: cutlass.Constexpr[bool], tiled_mma_qk, tiled_mma_pv,
              tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape, pipe_k, pipe_v,
-             mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale, m_block, wg, dtype, live_rows=None):
+             mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale, m_block, wg, dtype, live_rows=None,
+             fp8=None, tidx=None, seqlen_k=None):
         """One K/V block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax of
-        S_j overlapping the PV gemm. `state` points at block j+1's stage on entry."""
+        S_j overlapping the PV gemm. `state` points at block j+1's stage on entry. fp8: K_j is
+        widened before its gemm (the buffer's last reader, S_{j+1}, is done), V_{j+1} while S_j runs
+        (its buffer's last reader, the PV gemm of block j+2, is done), each FP8 stage released as soon
+        as it is widened."""
         cfg = self.cfg
         v_state = state.clone()
         state.advance()
         self._kv_wait(pipe_k, state)
+        k_stage, v_stage = state.index, v_state.index
+        if const_expr(fp8 is not None):
+            self.dequant(fp8.sK8, state.index, fp8.sK16, tidx, wg)
+            pipe_k.consumer_release(state)
+            k_stage, v_stage = 0, 0
         self._pingpong_wait(wg)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True, wait=-1)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_stage], zero_init=True, wait=-1)
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, v_state)
-        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], wait=-1)
+        if const_expr(fp8 is not None):
+            self.dequant(fp8.sV8, v_state.index, fp8.sV16, tidx, wg, seqlen_k - (n_block + 1) * cfg.tile_n)
+            pipe_v.consumer_release(v_state)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], wait=-1)
         self._pingpong_signal(wg)
         warpgroup.wait_group(1)  # S_j ready; PV still running
-        pipe_k.consumer_release(state)
+        if const_expr(fp8 is None):
+            pipe_k.consumer_release(state)
         if const_expr(self.softcap):
             OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
         if const_expr(masked):
             mask.apply(acc_S, m_block, n_block, seqlen=False, window=True)
         scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)
         warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
-        pipe_v.consumer_release(v_state)
+        if const_expr(fp8 is None):
+            pipe_v.consumer_release(v_state)
         tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
         if const_expr(cfg.rescale_o_before_gemm):
             o_scale.store(scale.load())
@@ -865,6 +952,84 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(wg), number_of_threads=128)
 
     @cute.jit
+    def dequant(self, s8, stage, s16, tidx, wg, valid_rows=None):
+        """FP8 K/V: widen block `stage` of the FP8 stages s8 into the fp16 buffer s16 (e4m3 -> fp16
+        is exact: every e4m3 value, subnormals included, is an fp16 number), by the 128 threads of
+        consumer warpgroup `wg`, 8 elements per copy (an 8-byte load, a 16-byte store). Rows from
+        `valid_rows` on (keys past the sequence's end, whose slots or unowned pages may hold
+        anything, NaN included) become zeros, as clear_v_rows does for 16-bit V: P is 0 there, and
+        0 * NaN would be NaN. Then the writes are fenced into the async proxy and the warpgroup
+        syncs, so that its wgmma may read s16 and the FP8 stage may be released."""
+        cfg = self.cfg
+        f16 = cutlass.Float16
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f16, num_bits_per_copy=128)
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s8.element_type, num_bits_per_copy=64)
+        tiled = cute.make_tiled_copy_tv(store, *row_thread_layout(f16, cfg.head_dim, 128))
+        thr = tiled.get_slice(tidx % 128)
+        t8 = thr.partition_S(s8[None, None, stage])
+        t16 = thr.partition_D(s16[None, None, 0])
+        tc = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        r8 = cute.make_rmem_tensor(cute.make_layout(8), s8.element_type)
+        r16 = cute.make_rmem_tensor(cute.make_layout(8), f16)
+        for m in cutlass.range_constexpr(cute.size(t8, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(t8, mode=[2])):
+                cute.copy(load, t8[None, m, k], r8)
+                r16.store(r8.load().to(f16))
+                if const_expr(valid_rows is not None):
+                    if tc[0, m, k][0] >= valid_rows:
+                        r16.fill(0.0)
+                cute.copy(store, r16, t16[None, m, k])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(wg), number_of_threads=128)
+
+    @cute.jit
+    def quantize_q(self, sQ, fp8, tidx, work, live_rows) -> Float32:
+        """FP8 K/V: rewrite the gathered 16-bit Q tile in place as fp16 q * 2^e, e an integer (one per
+        tile) that puts the largest |q| of the tile's live rows near 2^12, well inside fp16's range
+        (65504) whatever q's range (bf16 reaches 3e38). A power of two and fp16's 11 significant bits
+        (bf16 has 8) make this exact for every element within 2^-26 of the largest; smaller ones,
+        which move no score, may round. Returns k_scale * 2^-e, the factor the tile's scores need
+        (folded into the softmax scale or softcap's prescale, float32). Rows past live_rows (left as
+        they were by the gather) are rewritten too but never stored."""
+        cfg = self.cfg
+        dtype = sQ.element_type
+        f16 = cutlass.Float16
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f16, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(atom, *row_thread_layout(dtype, cfg.head_dim, 128))
+        thr = tiled.get_slice(tidx % 128)
+        tQ = thr.partition_S(sQ)
+        tQ16 = thr.partition_D(fp8.sQ16)
+        tc = thr.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
+        r = cute.make_rmem_tensor(cute.make_layout(128 // dtype.width), dtype)
+        r16 = cute.make_rmem_tensor(cute.make_layout(128 // dtype.width), f16)
+        amax = Float32(0.0)
+        for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
+            if tc[0, m, 0][0] < live_rows:
+                for k in cutlass.range_constexpr(cute.size(tQ, mode=[2])):
+                    cute.copy(atom, tQ[None, m, k], r)
+                    amax = row_max(abs(r.load().to(Float32)), amax)
+        amax = cute.arch.warp_reduction_max(amax)
+        warp = (tidx % 128) // 32
+        if cute.arch.lane_idx() == 0:
+            fp8.sAmax[warp] = amax
+        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
+        amax = cute.arch.fmax(cute.arch.fmax(fp8.sAmax[0], fp8.sAmax[1]), cute.arch.fmax(fp8.sAmax[2], fp8.sAmax[3]))
+        # e = trunc(12 - log2(amax)), within [-100, 100] (an all-zero tile gets 100): the approximate
+        # log2 moves the largest value by less than a factor of 2 around 2^12.
+        e = cute.arch.fmin(cute.arch.fmax(12.0 - cute.math.log2(amax, fastmath=True), Float32(-100.0)), Float32(100.0))
+        e = Int32(e)
+        factor = pow2(e)
+        for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tQ, mode=[2])):
+                cute.copy(atom, tQ[None, m, k], r)
+                r16.store((r.load().to(Float32) * factor).to(f16))
+                cute.copy(store, r16, tQ16[None, m, k])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
+        return fp8.mKScale[work.head] * pow2(-e)
+
+    @cute.jit
     def _kv_wait(self, pipe, state):
         """Wait for a K/V stage. Rows gathered by cp.async are generic-proxy writes: each consumer
         thread fences them into the async proxy that its wgmma reads shared memory through."""
@@ -886,6 +1051,21 @@ class FlashAttentionForwardSm90:
             cute.arch.barrier_arrive(barrier_id=NamedBarrierFwd.turn(nxt), number_of_threads=256)
 
 
+@dataclass(frozen=True)
+class _Fp8Tile:
+    """FP8 K/V: the FP8 stages, the widened fp16 K/V buffers the gemms read, sQ seen as fp16 (the Q
+    gather's buffer, rewritten in place by quantize_q), quantize_q's cross-warp slots, the scales."""
+
+    sK8: cute.Tensor
+    sV8: cute.Tensor
+    sK16: cute.Tensor
+    sV16: cute.Tensor
+    sQ16: cute.Tensor
+    sAmax: cute.Tensor
+    mKScale: cute.Tensor
+    mVScale: cute.Tensor
+
+
 @dataclass(frozen=True)  # frozen: read inside the dynamic tile loop (see tile_scheduler.py)
 class _ConsumerTile:
     """A consumer thread's per-CTA state that every tile reuses (the tensors' contents change)."""
@@ -898,3 +1078,4 @@ class _ConsumerTile:
     sink_log2: cute.Tensor | None  # pack-GQA: the rows' sinks
     tidx: Int32  # consumer thread index
     wg: Int32 | int  # consumer warpgroup
+    fp8: _Fp8Tile | None = None  # FP8 K/V only

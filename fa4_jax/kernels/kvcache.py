@@ -21,7 +21,8 @@ def make_kernel(variant: KVCacheVariant):
         from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
         from fa4_jax.kernels.seams import FwdSeams
 
-        kernel = FlashAttentionForwardSm90(kvcache_config(variant.head_dim, variant.tile_m, variant.paged), variant.mask,
+        kernel = FlashAttentionForwardSm90(kvcache_config(variant.head_dim, variant.tile_m, variant.paged,
+                                                          variant.kv_fp8), variant.mask,
                                            variant.softcap, FwdSeams.kvcache(variant.paged),
                                            page_rows=variant.page_rows)
         return kernel.call_kvcache
@@ -55,14 +56,17 @@ def _fake_o_accum(head_dim: int):
 
 def compile_variant(variant: KVCacheVariant):
     dtype = DTYPES[variant.dtype]
-    q, k, v, o = (fake_bshd(dtype, variant.head_dim) for _ in range(4))
+    kv_dtype = cutlass.Float8E4M3FN if variant.kv_fp8 else dtype
+    q, o = (fake_bshd(dtype, variant.head_dim) for _ in range(2))
+    k, v = (fake_bshd(kv_dtype, variant.head_dim) for _ in range(2))
     page_table, seqlens, cu_seqlens_q, tile_list = _fake_i32(2), _fake_i32(1), _fake_i32(1), _fake_i32(1)
     lse, lse_accum = fake_f32(3), fake_f32(4)
     o_accum = _fake_o_accum(variant.head_dim)
     sinks = fake_f32(1, unit_stride=False)
     semaphores = _fake_i32(1)
+    k_scale, v_scale = fake_f32(1, unit_stride=False), fake_f32(1, unit_stride=False)
     f32, i32 = cutlass.Float32(1.0), cutlass.Int32(1)
     return cute.compile(
         make_kernel(variant), q, k, v, page_table, seqlens, cu_seqlens_q, tile_list, o, lse, o_accum, lse_accum,
-        sinks, semaphores, f32, f32, i32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
+        sinks, semaphores, k_scale, v_scale, f32, f32, i32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
     )

@@ -6,7 +6,8 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 
 
@@ -114,3 +115,10 @@ def quad_allreduce_max(v: Float32) -> Float32:
 def quad_allreduce_sum(v: Float32) -> Float32:
     v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
     return v + cute.arch.shuffle_sync_bfly(v, offset=2)
+
+
+@cute.jit
+def pow2(e: Int32) -> Float32:
+    """2^e exactly, for an integer e in [-126, 127] (the float32 bits (e + 127) << 23; MUFU's ex2 is
+    not specified to be exact even at integers)."""
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32((e + 127) << 23).ir_value()))

@@ -24,7 +24,7 @@ from fa4_jax.core import cudnn
 from fa4_jax.core.implementation import Implementation, resolve_implementation, trim_window
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
-from fa4_jax.ops.kvcache.quant import check_fp8_caches, check_scale, dequantize, is_fp8, quantize
+from fa4_jax.ops.kvcache.quant import check_fp8_caches, check_scale, is_fp8, quantize
 from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
@@ -68,9 +68,12 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
       k_scale, v_scale: with FP8 caches (float8_e4m3fn, both; every layout above), the float32 scales
         the cache was quantized with (update_kvcache): the cache holds value / scale and attention reads
         fp8 * scale. A scalar or (heads_kv,), traced values allowed; None = 1.0. Scales with 16-bit
-        caches are an error. q stays bfloat16/float16 and o has its dtype. No kernel reads an FP8 cache
-        yet: such a call runs the exact reference on the dequantized (float32) cache, on every device
-        (implementation None or "xla"; "fa4" and "cudnn" say so).
+        caches are an error. q stays bfloat16/float16 and o has its dtype. On Hopper the FP8 kernel
+        serves decode calls (seqlen_q x heads_q / heads_kv <= 64 packed rows per sequence) at head_dim
+        64 and 128, contiguous and paged, with every mask, softcap and sinks: it widens each FP8 block
+        to fp16 in shared memory and computes with q * k_scale in fp16 (scaled per tile into fp16's
+        range). Other FP8 calls run the exact reference on the dequantized (float32) cache
+        (implementation None or "xla"; "fa4" says when it has no kernel; cuDNN has no FP8 path).
       implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every
         head_dim). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
         softcap or sinks, and a causal mask or window only when seqlen_q == 1 (no left window).
@@ -93,43 +96,32 @@ attention_with_kvcache.STATIC_ARGNAMES = STATIC_ARGNAMES
 
 
 def _fp8(q, k_cache, v_cache, cache_seqlens, k_scale, v_scale, implementation, options):
-    """A call on FP8 caches: every check of the same call on 16-bit caches, then the exact reference
-    on the cache dequantized to float32 (a paged cache's pages gathered first, so that only the
-    sequences' pages are widened, not the pool)."""
-    if implementation in ("fa4", "cudnn"):
-        raise ValueError(f'implementation="{implementation}" cannot read float8_e4m3fn KV caches (no kernel does '
-                         'yet); implementation=None or "xla" computes the call exactly on the dequantized cache')
+    """A call on FP8 caches: every check of the same call on 16-bit caches, then the primitive with
+    the scales (float32 (heads_kv,)): the FP8 kernel where the library has one for the call (decode
+    tiles on Hopper, spec.FP8_HEAD_DIMS), else the exact reference on the dequantized cache."""
+    if implementation == "cudnn":
+        raise ValueError('implementation="cudnn" cannot read float8_e4m3fn KV caches (cuDNN has no FP8 KV-cache '
+                         'attention in jax); implementation=None, "fa4" or "xla"')
     ragged = options["cu_seqlens_q"] is not None
     check_tensors({"q": q}, 3 if ragged else 4, kernel_constraints=True)  # q stays bfloat16 / float16
-    arrays = {k: options[k] for k in ("cu_seqlens_q", "page_table", "sinks")}
-    static = {k: v for k, v in options.items() if k not in arrays}
-    like = jax.ShapeDtypeStruct(k_cache.shape, q.dtype)
-    jax.eval_shape(lambda q, k, v, n, a: _attention(q, k, v, n, **a, **static, implementation=implementation),
-                   q, like, like, cache_seqlens, arrays)
     heads_kv = k_cache.shape[2]
-    scales = check_scale("k_scale", k_scale, heads_kv), check_scale("v_scale", v_scale, heads_kv)
-    table = arrays.pop("page_table")
-    if table is not None:
-        b, capacity = cache_seqlens.shape[0], k_cache.shape[1] * table.shape[1]
-        k_cache, v_cache = (jnp.take(jnp.asarray(x), table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:])
-                            for x in (k_cache, v_cache))
-    k32, v32 = (dequantize(x, scale) for x, scale in zip((k_cache, v_cache), scales))
-    out = _attention(jnp.asarray(q).astype(jnp.float32), k32, v32, cache_seqlens, **arrays, page_table=None, **static,
-                     implementation="xla", kernel_constraints=False)
-    return (out[0].astype(q.dtype), out[1]) if static["return_lse"] else out.astype(q.dtype)
+    scales = tuple(jnp.broadcast_to(check_scale(name, x, heads_kv), (heads_kv,))
+                   for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
+    return _attention(q, k_cache, v_cache, cache_seqlens, **options, implementation=implementation, scales=scales)
 
 
 def _attention(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q, max_seqlen_q, page_table, causal, softmax_scale,
-               window_size, softcap, sinks, num_splits, return_lse, implementation, kernel_constraints=True):
-    """attention_with_kvcache on 16-bit caches (kernel_constraints=False: the float32 reference call of _fp8)."""
+               window_size, softcap, sinks, num_splits, return_lse, implementation, scales=None):
+    """attention_with_kvcache: 16-bit caches, or FP8 ones with `scales` (k_scale, v_scale), each
+    float32 (heads_kv,)."""
     if cu_seqlens_q is not None:
         return _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                        page_table=page_table, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                        softcap=softcap, sinks=sinks, num_splits=num_splits, return_lse=return_lse,
-                       implementation=implementation)
+                       implementation=implementation, scales=scales)
     if max_seqlen_q is not None:
         raise ValueError("max_seqlen_q is a hint for a ragged batch: pass it with cu_seqlens_q (q packed), or not at all")
-    check_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, kernel_constraints=kernel_constraints)
+    check_kvcache(q, *_checked_caches(q, k_cache, v_cache, scales), cache_seqlens, page_table, kernel_constraints=True)
     return_lse = check_flag("return_lse", return_lse)
     scale, cap, window = check_options(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                        softcap=softcap, sinks=sinks, heads_q=q.shape[2], head_dim=q.shape[-1])
@@ -139,14 +131,24 @@ def _attention(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q, max_seqlen_q
     left, right = trim_window(*window, q.shape[1], capacity)
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
-                  paged=paged, ragged=False, max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2]),
+                  paged=paged, ragged=False, kv_fp8=scales is not None,
+                  max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2]),
                   page_rows=_page_rows(k_cache, paged),
                   num_splits=num_splits or 0)
-    operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks) if x is not None)
+    operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks, *(scales or ()))
+                     if x is not None)
     implementation = resolve_implementation(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
                                             (cudnn.KVCACHE, operands, params))
     o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)
     return (o, lse) if return_lse else o
+
+
+def _checked_caches(q, k_cache, v_cache, scales):
+    """The caches the shape checks see: FP8 ones as stand-ins of q's dtype (their own dtype rule is
+    quant.check_fp8_caches')."""
+    if scales is None:
+        return k_cache, v_cache
+    return tuple(jax.ShapeDtypeStruct(x.shape, q.dtype) for x in (k_cache, v_cache))
 
 
 def _tile_m(rows_per_sequence, heads_q, heads_kv) -> int:
@@ -163,10 +165,11 @@ def _page_rows(k_cache, paged: bool) -> int:
 
 
 def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, page_table, causal, softmax_scale,
-            window_size, softcap, sinks, num_splits, return_lse, implementation):
+            window_size, softcap, sinks, num_splits, return_lse, implementation, scales=None):
     check_tensors({"q": q}, 3, kernel_constraints=False)
     q4 = jax.ShapeDtypeStruct((1, *q.shape), q.dtype)
-    check_operands(q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, kernel_constraints=False)
+    check_operands(q4, *_checked_caches(q, k_cache, v_cache, scales), cache_seqlens, page_table, cu_seqlens_q,
+                   kernel_constraints=False)
     if max_seqlen_q is not None and (isinstance(max_seqlen_q, (bool, np.bool_)) or
                                      not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 1):
         raise ValueError(f"max_seqlen_q bounds every sequence's queries: None or a static int >= 1; "
@@ -184,11 +187,12 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     left, right = trim_window(*window, max_q, capacity)
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
-                  paged=paged, ragged=True, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
+                  paged=paged, ragged=True, kv_fp8=scales is not None, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
                   tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2]),
                   page_rows=_page_rows(k_cache, paged), num_splits=num_splits or 0)
     q4 = jnp.asarray(q)[None]
-    operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks) if x is not None)
+    operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks, *(scales or ()))
+                     if x is not None)
     implementation = resolve_implementation(implementation, lambda arch: kernel_variant(arch, q.dtype, head_dim, params),
                                             None)
     o, lse = fa4_kvcache_p.bind(*operands, **params, implementation=implementation)

@@ -1,10 +1,11 @@
 """The `fa4_kvcache` primitive: attention of new queries against a KV cache, two results (o, lse).
 
 Operands: q, k_cache, v_cache, cache_seqlens, then page_table when `paged`, cu_seqlens_q when
-`ragged`, sinks when `has_sinks`. q is (batch, seqlen_q, heads_q, d), or ragged (1, total_q, heads_q, d)
+`ragged`, sinks when `has_sinks`, k_scale and v_scale (float32 (heads_kv,)) when `kv_fp8` (the
+caches float8_e4m3fn, holding value / scale). q is (batch, seqlen_q, heads_q, d), or ragged (1, total_q, heads_q, d)
 (the API's packed q with a unit axis, so that o, lse and the kernel's layouts are those of a batch of
 one). Params: softmax_scale, window_left / window_right (causal folded in), softcap, has_sinks, paged,
-ragged, max_seqlen_q (ragged: the bound on every sequence's queries; else 0), tile_m (the kernel's
+ragged, kv_fp8, max_seqlen_q (ragged: the bound on every sequence's queries; else 0), tile_m (the kernel's
 query tile, spec.tile_m_for), page_rows (paged: rows per TMA piece, spec.page_rows_for), num_splits (0 = the handler picks from the SM count), implementation.
 Lowering (fa4_jax/core/lowering.py, per platform): on CUDA, when the kernel can serve the call, the
 family's FFI call (ffi/kvcache.cc) whose workspace results (the split-KV partials) are sized here
@@ -25,24 +26,26 @@ from fa4_jax.core.primitive import OperandLayout, fold_query_slices, moved, prim
 from fa4_jax.core.validation import check_index, check_kvcache, check_sinks, dtype_tag
 from fa4_jax.families import KVCacheVariant
 from fa4_jax.ops.kvcache import sharding
+from fa4_jax.ops.kvcache.quant import dequantize, is_fp8
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
 from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, PAGE_ROWS, SPLIT_BLOCK_KEYS, auto_split_capacity
 from fa4_jax.ops.kvcache.tiles import ragged_tile_list
 
-OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks"},
+OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks",
+                                   "k_scale": "kv_fp8", "v_scale": "kv_fp8"},
                          lowered=("tile_list",))
 
 
-def _split(operands, paged: bool, ragged: bool, has_sinks: bool):
-    x = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks))
+def _split(operands, paged: bool, ragged: bool, has_sinks: bool, kv_fp8: bool):
+    x = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks, kv_fp8=kv_fp8))
     return (x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], x["cu_seqlens_q"],
-            x["sinks"])
+            x["sinks"], x["k_scale"], x["v_scale"])
 
 
-def _join(q, k, v, seqlens, page_table, cu_seqlens_q, sinks):
+def _join(q, k, v, seqlens, page_table, cu_seqlens_q, sinks, k_scale=None, v_scale=None):
     return OPERANDS.join(dict(q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens, page_table=page_table,
-                              cu_seqlens_q=cu_seqlens_q, sinks=sinks))
+                              cu_seqlens_q=cu_seqlens_q, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
 
 
 def check_operands(q, k, v, seqlens, page_table, cu_seqlens_q, *, kernel_constraints: bool) -> None:
@@ -64,9 +67,16 @@ def check_operands(q, k, v, seqlens, page_table, cu_seqlens_q, *, kernel_constra
 def _abstract_eval(*operands, **params):
     """The operands the params say, with the shapes the API checks (a direct bind gets the same errors)."""
     x = OPERANDS.split(operands, params)
-    q = x["q"]
-    check_operands(q, x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"], x["cu_seqlens_q"],
-                   kernel_constraints=False)
+    q, k, v = x["q"], x["k_cache"], x["v_cache"]
+    if params["kv_fp8"]:  # FP8 caches: the 16-bit call's checks on stand-ins, then the scales'
+        if not (is_fp8(k) and is_fp8(v)):
+            raise ValueError(f"kv_fp8=True needs float8_e4m3fn caches; got {k.dtype} and {v.dtype}")
+        for name in ("k_scale", "v_scale"):
+            if x[name].shape != (k.shape[2],) or x[name].dtype != jnp.float32:
+                raise ValueError(f"{name} must be float32 (heads_kv,) = ({k.shape[2]},); got {x[name].dtype}"
+                                 f"{tuple(x[name].shape)}")
+        k = v = jax.ShapeDtypeStruct(k.shape, q.dtype)
+    check_operands(q, k, v, x["cache_seqlens"], x["page_table"], x["cu_seqlens_q"], kernel_constraints=False)
     check_sinks(x["sinks"], q.shape[2])
     b, s_q, h_q, _ = q.shape
     return (compat.ShapedArray(q.shape, q.dtype), compat.ShapedArray((b, h_q, s_q), jnp.float32))
@@ -75,10 +85,23 @@ def _abstract_eval(*operands, **params):
 fa4_kvcache_p, fa4_kvcache_local_p = primitive_pair("fa4_kvcache", _abstract_eval)
 
 
-def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
-               tile_m, page_rows, num_splits, implementation):
+def _reference(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, kv_fp8,
+               max_seqlen_q, tile_m, page_rows, num_splits, implementation):
     del max_seqlen_q, tile_m, page_rows, num_splits, implementation
-    q, k, v, seqlens, page_table, cu_q, sinks = _split(operands, paged, ragged, has_sinks)
+    q, k, v, seqlens, page_table, cu_q, sinks, k_scale, v_scale = _split(operands, paged, ragged, has_sinks, kv_fp8)
+    if kv_fp8:
+        # Exactly, on the cache dequantized to float32: a paged cache's pages gathered first (only the
+        # sequences' pages are widened, not the pool), q widened too; o in q's dtype.
+        if paged:
+            b, capacity = seqlens.shape[0], k.shape[1] * page_table.shape[1]
+            k, v = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:]) for x in (k, v))
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
+        o, lse = _reference(q.astype(jnp.float32), k, v, seqlens, *(() if cu_q is None else (cu_q,)),
+                            *(() if sinks is None else (sinks,)), softmax_scale=softmax_scale, window_left=window_left,
+                            window_right=window_right, softcap=softcap, has_sinks=has_sinks, paged=False,
+                            ragged=ragged, kv_fp8=False, max_seqlen_q=0, tile_m=0, page_rows=0, num_splits=0,
+                            implementation=None)
+        return o.astype(q.dtype), lse
     if not ragged:
         return attention_with_kvcache_reference(q, k, v, seqlens, page_table=page_table, softmax_scale=softmax_scale,
                                                 window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
@@ -115,12 +138,12 @@ def kernel_variant(arch: str, dtype, head_dim: int, params: dict) -> KVCacheVari
     """The kernel a call with these params needs on `arch` (the API and the lowering ask the same)."""
     mask = KVCACHE.kernel_mask(params["window_left"], params["window_right"])
     return KVCacheVariant(arch, dtype_tag(dtype), head_dim, mask, params["softcap"] > 0, params["paged"], params["tile_m"],
-                          params["page_rows"] if params["paged"] else PAGE_ROWS)
+                          params["page_rows"] if params["paged"] else PAGE_ROWS, kv_fp8=params.get("kv_fp8", False))
 
 
-def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, max_seqlen_q,
-                 tile_m, page_rows, num_splits, implementation):
-    named = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks))
+def _kernel_call(*operands, softmax_scale, window_left, window_right, softcap, has_sinks, paged, ragged, kv_fp8,
+                 max_seqlen_q, tile_m, page_rows, num_splits, implementation):
+    named = OPERANDS.split(operands, dict(paged=paged, ragged=ragged, has_sinks=has_sinks, kv_fp8=kv_fp8))
     table = named["page_table"]
     splits = split_capacity(named["q"].shape, named["k_cache"].shape, None if table is None else table.shape,
                             num_splits)
@@ -146,7 +169,7 @@ def _is_empty(avals, params) -> bool:
     return any(isinstance(d, int) and d == 0 for d in dims)
 
 
-def _batch_rule(args, dims, *, paged, has_sinks, **params):
+def _batch_rule(args, dims, *, paged, has_sinks, kv_fp8, **params):
     """One kernel launch for any vmap:
 
     - Only q (and sinks) mapped, the cache shared: the mapped axis joins the query heads of each KV
@@ -155,20 +178,22 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
       unmapped one broadcast; a mapped page pool becomes one pool of size * num_pages pages with each
       slice's page ids offset, an unmapped one is shared as is.
     - Sinks mapped and the cache per slice: a sequential map over the slices (a rare combination:
-      per-slice sinks belong to different models).
+      per-slice sinks belong to different models). So are mapped FP8 scales.
     """
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     ragged = params["ragged"]
-    q, k, v, seqlens, page_table, cu_q, sinks = _split(args, paged, ragged, has_sinks)
-    dq, dk, dv, dl, dp, dc, ds = _split(dims, paged, ragged, has_sinks)
-    kw = dict(paged=paged, has_sinks=has_sinks, **params)
-    if dk is None and dv is None and dl is None and dp is None and dc is None:
+    q, k, v, seqlens, page_table, cu_q, sinks, ks, vs = _split(args, paged, ragged, has_sinks, kv_fp8)
+    dq, dk, dv, dl, dp, dc, ds, dks, dvs = _split(dims, paged, ragged, has_sinks, kv_fp8)
+    kw = dict(paged=paged, has_sinks=has_sinks, kv_fp8=kv_fp8, **params)
+    scales_mapped = dks is not None or dvs is not None
+    if dk is None and dv is None and dl is None and dp is None and dc is None and not scales_mapped:
         qf, sf, unfold = fold_query_slices(q, dq, sinks, ds, size, k.shape[2])
-        return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, cu_q, sf), **kw)), (0, 0)
-    if ds is not None or ragged:
+        return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, cu_q, sf, ks, vs), **kw)), (0, 0)
+    if ds is not None or ragged or scales_mapped:
         # (A ragged batch whose cache or offsets differ per slice: a sequential map over the slices.)
         slices = [moved(x, d, size) if x is not None else None
-                  for x, d in zip((q, k, v, seqlens, page_table, cu_q, sinks), (dq, dk, dv, dl, dp, dc, ds))]
+                  for x, d in zip((q, k, v, seqlens, page_table, cu_q, sinks, ks, vs),
+                                  (dq, dk, dv, dl, dp, dc, ds, dks, dvs))]
         o, lse = jax.lax.map(lambda xs: tuple(fa4_kvcache_p.bind(*_join(*xs), **kw)), tuple(slices))
         return (o, lse), (0, 0)
 
@@ -189,7 +214,7 @@ def _batch_rule(args, dims, *, paged, has_sinks, **params):
             kf, vf = (x.reshape(size * num_pages, *x.shape[2:]) for x in (k, v))
             pf = pf + (jnp.arange(size, dtype=jnp.int32) * num_pages)[:, None, None]
         pf = pf.reshape(size * pf.shape[1], pf.shape[2])
-    o, lse = fa4_kvcache_p.bind(*_join(qf, kf, vf, lf, pf, None, sinks), **kw)
+    o, lse = fa4_kvcache_p.bind(*_join(qf, kf, vf, lf, pf, None, sinks, ks, vs), **kw)
     return (o.reshape(size, -1, *o.shape[1:]), lse.reshape(size, -1, *lse.shape[1:])), (0, 0)
 
 

@@ -2,7 +2,8 @@
 fa4_jax/core/partitioning.py).
 
 Factors: q (b, sq, (hk g), d); contiguous caches (b, cap, hk, d) or
-paged pools (pages, ps, hk, d) with page_table (b, mp); cache_seqlens (b); sinks ((hk g)).
+paged pools (pages, ps, hk, d) with page_table (b, mp); cache_seqlens (b); sinks ((hk g)); FP8 caches'
+k_scale / v_scale (hk), sharded with the KV heads.
 Batch and heads as for dense attention (an unsplit paged pool is replicated: every batch shard may
 read any page). Context parallelism: a contiguous cache sharded along its length, or a paged pool
 sharded by pages (each device holding its own pages); the cache never moves. With the queries at
@@ -63,6 +64,8 @@ def _kvcache_rule(params: dict, value_types, result_types) -> SdyShardingRule:
         operands.append(ArrayMapping("b1"))
     if params["has_sinks"]:
         operands.append(ArrayMapping(heads))
+    if params["kv_fp8"]:
+        operands += [ArrayMapping("hk"), ArrayMapping("hk")]
     results = (ArrayMapping(qb, "sq", heads, "d"), ArrayMapping(qb, heads, "sq"))
     cp = not ragged and _cp_allowed(params, q.shape[1],
                                     _capacity(params, k.shape, value_types[4].shape if paged else None))
@@ -101,6 +104,8 @@ def _kvcache_plan(params: dict, mesh, arg_shapes):
         arg_specs.append(PartitionSpec(None))
     if params["has_sinks"]:
         arg_specs.append(PartitionSpec(h))
+    if params["kv_fp8"]:
+        arg_specs += [PartitionSpec(kvh), PartitionSpec(kvh)]
     out_specs = (PartitionSpec(b, sq, h, None), PartitionSpec(b, h, sq))
     return arg_specs, out_specs, q_axes, kv_slice, cp_axes
 
@@ -157,7 +162,14 @@ def _gather_tail(k, v, lens, table, tail: int, shard, axis):
         index = (jnp.clip(page, 0, num_pages - 1), pos % page_size)
         mine = (page >= 0) & (page < num_pages)
     keep = (mine & (pos < lens[:, None]))[:, :, None, None]
-    return tuple(jax.lax.psum(jnp.where(keep, x[index], jnp.zeros((), x.dtype)), axis) for x in (k, v))
+
+    def gather(x):
+        if x.dtype == jnp.float8_e4m3fn:  # an FP8 cache's bytes: summed as integers (one nonzero, exact)
+            bits = jax.lax.bitcast_convert_type(x[index], jnp.uint8)
+            return jax.lax.bitcast_convert_type(jax.lax.psum(jnp.where(keep, bits, jnp.uint8(0)), axis), x.dtype)
+        return jax.lax.psum(jnp.where(keep, x[index], jnp.zeros((), x.dtype)), axis)
+
+    return gather(k), gather(v)
 
 
 def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
@@ -167,8 +179,11 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
 
     def impl(q, k, v, lens, *rest):
         k, v = slice_kv_heads(q_axes, kv_slice, k, v)
+        scales = ()  # FP8 caches: (k_scale, v_scale), the last operands, sliced with the KV heads
+        if params["kv_fp8"]:
+            rest, scales = rest[:-2], slice_kv_heads(q_axes, kv_slice, *rest[-2:], axis=0)
         if not cp_axes:
-            return bind(q, k, v, lens, *rest, **params)
+            return bind(q, k, v, lens, *rest, *scales, **params)
         axis = spec_entry(cp_axes)
         sinks = rest[-1] if params["has_sinks"] else None
         table = rest[0] if paged else None
@@ -182,17 +197,17 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
             body_lens = lens - jnp.minimum(lens, tail)
             if paged:
                 local_table, local = _local_pages(table, body_lens, shard * k.shape[0], k.shape[0], k.shape[1])
-                o, lse = bind(q, k, v, local, local_table, **body)
+                o, lse = bind(q, k, v, local, local_table, *scales, **body)
             else:
                 local = jnp.clip(body_lens - shard * k.shape[1], 0, k.shape[1]).astype(jnp.int32)
-                o, lse = bind(q, k, v, local, **body)
+                o, lse = bind(q, k, v, local, *scales, **body)
             parts.append((jax.lax.all_gather(o, axis), jax.lax.all_gather(lse, axis)))
         if tail:  # the tail, with the call's own mask (it ends at len, so bottom-right alignment holds)
             tk, tv = _gather_tail(k, v, lens, table, tail, shard, axis)
             tail_lens = jnp.minimum(lens, tail).astype(jnp.int32)
             if not parts:  # a left window: the tail is every visible key, the result itself
-                return bind(q, tk, tv, tail_lens, *rest[1 if paged else 0:], **dict(params, paged=False))
-            o, lse = bind(q, tk, tv, tail_lens, **dict(params, paged=False, has_sinks=False))
+                return bind(q, tk, tv, tail_lens, *rest[1 if paged else 0:], *scales, **dict(params, paged=False))
+            o, lse = bind(q, tk, tv, tail_lens, *scales, **dict(params, paged=False, has_sinks=False))
             parts.append((o[None], lse[None]))
         return merge_partials(jnp.concatenate([o for o, _ in parts]), jnp.concatenate([lse for _, lse in parts]),
                               sinks)

@@ -91,10 +91,13 @@ class KVCacheVariant(FwdVariant):
     paged: bool = False
     tile_m: int = TILE_M
     page_rows: int = PAGE_ROWS
+    # FP8 (float8_e4m3fn) K/V with float32 per-KV-head scales: TMA brings the FP8 blocks, the consumer
+    # warpgroup widens each to fp16 in shared memory for the tensor cores (fwd_sm90.py, dequant).
+    kv_fp8: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"mask": (MASK,), "tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged",))
+        self.check_fields({"mask": (MASK,), "tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged", "kv_fp8"))
         if not self.paged and self.page_rows != PAGE_ROWS:
             raise ValueError(f"page_rows applies to paged caches only: {self.page_rows=} with paged=False")
 
@@ -108,19 +111,22 @@ class KVCacheVariant(FwdVariant):
             parts.append(f"m{self.tile_m}")
         if self.page_rows != PAGE_ROWS:
             parts.append(f"rows{self.page_rows}")
+        if self.kv_fp8:
+            parts.append("kvfp8")
         return tuple(parts)
 
     @classmethod
     def _from_parts(cls, parts):
         tiles = [f"m{m}" for m in TILE_MS if m != TILE_M]
         rows = [f"rows{r}" for r in PAGE_ROWS_CHOICES if r != PAGE_ROWS]
-        if len(parts) < 4 or any(p not in ("softcap", "paged", *tiles, *rows) for p in parts[4:]):
-            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged][_m128][_rows1], got {'_'.join(parts)!r}")
+        if len(parts) < 4 or any(p not in ("softcap", "paged", *tiles, *rows, "kvfp8") for p in parts[4:]):
+            raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged][_m128][_rows1][_kvfp8], "
+                             f"got {'_'.join(parts)!r}")
         arch, dtype, hd, mask = parts[:4]
         tile_m = next((int(p[1:]) for p in parts[4:] if p in tiles), TILE_M)
         page_rows = next((int(p[4:]) for p in parts[4:] if p in rows), PAGE_ROWS)
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap="softcap" in parts[4:],
-                   paged="paged" in parts[4:], tile_m=tile_m, page_rows=page_rows)
+                   paged="paged" in parts[4:], tile_m=tile_m, page_rows=page_rows, kv_fp8="kvfp8" in parts[4:])
 
 
 # Rows per paged piece each architecture's kernel has: the one-row gather (page sizes that are not
@@ -130,12 +136,18 @@ PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": (PAGE_ROWS,)}
 # dtype of the serving engines, so that the default build stays within its 15 minutes on 2 cores
 # (440 variants took 870-948 s with fp16 too; docs/PERF.md); an fp16 call takes cuDNN or the reference.
 DTYPES_BY_ARCH = {"sm90": DTYPES, "sm100": ("bf16",)}
+# FP8 caches (issue 17): Hopper decode tiles (tile_m 64; a chunk against an FP8 cache takes the
+# reference), at the head dims of the common models, so that the default build grows by 24 variants,
+# not 120. Other calls on FP8 caches run the exact reference (fa4_jax/ops/kvcache/api.py).
+FP8_ARCHES = ("sm90",)
+FP8_TILE_MS = (TILE_M,)
+FP8_HEAD_DIMS = (64, 128)
 
 
 def default_menu() -> tuple[KVCacheVariant, ...]:
     """Every arch (the SM100 kernels opt-in, as the dense ones: families.VALIDATED_ARCHES), dtype,
     head dim, softcap, cache layout, query tile and page piece."""
-    return tuple(
+    wide = tuple(
         KVCacheVariant(arch, dtype, hd, MASK, softcap, paged, tile_m, page_rows)
         for arch in ARCHES
         for dtype in DTYPES_BY_ARCH[arch]
@@ -145,6 +157,17 @@ def default_menu() -> tuple[KVCacheVariant, ...]:
         for tile_m in TILE_MS
         for page_rows in (PAGE_ROWS_BY_ARCH[arch] if paged else (PAGE_ROWS,))
     )
+    fp8 = tuple(
+        KVCacheVariant(arch, dtype, hd, MASK, softcap, paged, tile_m, page_rows, kv_fp8=True)
+        for arch in FP8_ARCHES
+        for dtype in DTYPES
+        for hd in FP8_HEAD_DIMS
+        for softcap in (False, True)
+        for paged in (False, True)
+        for tile_m in FP8_TILE_MS
+        for page_rows in (PAGE_ROWS_CHOICES if paged else (PAGE_ROWS,))
+    )
+    return wide + fp8
 
 
 def _strided(name: str, ptr: str, shapes: tuple[str, ...], stride: str, n_strides: int) -> TensorArg:
@@ -166,6 +189,8 @@ _PARAMS = (
                                      "that the kernel leaves zeroed: the last split of a tile merges its "
                                      "splits; null = a combine kernel does"),
     Field("int32_t", "n_semaphores", "0, or b * h_k * m_blocks (non-ragged calls with splits only)"),
+    Field("float *", "k_scale", "(h_k,) FP8 caches: attention reads k_cache * k_scale; else null"),
+    Field("float *", "v_scale", "(h_k,) FP8 caches: attention reads v_cache * v_scale; else null"),
     Field("int32_t", "b", "sequences (cache_seqlens' extent)"),
     Field("int32_t", "qb", "q's extent 0: b, or 1 for a ragged batch (s_q = total_q)"),
     Field("int32_t", "s_q"), Field("int32_t", "h_q"), Field("int32_t", "h_k"),
@@ -187,9 +212,10 @@ _PARAMS = (
 CALL = CallSignature(
     operands=(
         Buffer("q", "input", ("qb", "s_q", "h_q", "d"), "(b, s_q, h_q, d), or ragged (1, total_q, h_q, d)"),
-        Buffer("k_cache", "input", ("kv_rows", "kv_len", "h_k", "d"),
-               "contiguous (b, capacity, h_k, d) or paged (num_pages, page_size, h_k, d)", param="k"),
-        Buffer("v_cache", "input", ("kv_rows", "kv_len", "h_k", "d"), "k_cache's shape", param="v"),
+        Buffer("k_cache", "cache", ("kv_rows", "kv_len", "h_k", "d"),
+               "contiguous (b, capacity, h_k, d) or paged (num_pages, page_size, h_k, d); q's dtype or "
+               "float8_e4m3fn (then with k_scale / v_scale)", param="k"),
+        Buffer("v_cache", "cache", ("kv_rows", "kv_len", "h_k", "d"), "k_cache's shape and dtype", param="v"),
         Buffer("cache_seqlens", "i32", ("b",), "valid keys per sequence (clamped to [0, capacity])"),
         Buffer("page_table", "i32", ("b", "max_pages"), "page ids (clamped to the pool); absent = contiguous",
                optional=True),
@@ -199,6 +225,9 @@ CALL = CallSignature(
                "ragged: (sequence, m_block) pairs, the tiles to run in launch order (ragged_tile_list); "
                "absent = every m_block of every sequence", optional=True),
         SINKS,
+        Buffer("k_scale", "f32", ("h_k",), "FP8 caches: per-KV-head scale of k_cache; absent = 16-bit caches",
+               optional=True),
+        Buffer("v_scale", "f32", ("h_k",), "FP8 caches: per-KV-head scale of v_cache", optional=True),
     ),
     results=(
         Buffer("o", "input", ("qb", "s_q", "h_q", "d")),
@@ -232,7 +261,8 @@ KVCACHE = KernelFamily(
     # v3: ragged batches (optional cu_seqlens_q, max_seqlen_q; q's extent 0 may differ from b).
     # v4: an optional tile list (ragged: only the (sequence, m_block) tiles with rows, longest first).
     # v5: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
-    target="fa4_jax_kvcache_v5",
+    # v6: FP8 caches (k_cache / v_cache float8_e4m3fn) with optional k_scale / v_scale operands.
+    target="fa4_jax_kvcache_v6",
     variant=KVCacheVariant,
     params=_PARAMS,
     tensors=(
@@ -251,19 +281,28 @@ KVCACHE = KernelFamily(
                   tuple(f"p.lse_accum_stride[{i}]" for i in range(3))),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
         TensorArg("mSemaphores", "p.semaphores", ("p.n_semaphores",), ("1",)),
+        TensorArg("mKScale", "p.k_scale", ("p.h_k",), ("1",)),
+        TensorArg("mVScale", "p.v_scale", ("p.h_k",), ("1",)),
     ),
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "num_splits", "ragged", "max_seqlen_q", "n_listed"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
-                         KeyField("page_rows", "int", int_literal)),
+                         KeyField("page_rows", "int", int_literal), KeyField("kv_fp8", "bool", bool_literal)),
     enums={"Mask": (MASK,)},
     call=CALL,
     handler="ffi/kvcache.cc",
     compile="fa4_jax.kernels.kvcache:compile_variant",
     default_menu=default_menu,
     kernel_mask=kernel_mask,
+    # FP8 caches: decode and chunks in rows of their own (chunks have no FP8 kernel yet), and no cuDNN
+    # mapping ("": the reference where no kernel serves the call).
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
                               (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
                               (("paged", paged),), _shape_fields)
-                  for layout, paged in (("contiguous", False), ("paged", True))),
+                  for layout, paged in (("contiguous", False), ("paged", True)))
+    + tuple(PublicEntry(f"attention_with_kvcache (FP8 {kind}, {layout})", "", seqlens,
+                        (("paged", paged), ("kv_fp8", True)), _shape_fields)
+            for kind, seqlens in (("decode", (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128))),
+                                  ("chunks", (("a prefill chunk", 512, 2048),)))
+            for layout, paged in (("contiguous", False), ("paged", True))),
 )

@@ -1,0 +1,183 @@
+"""The FP8 (float8_e4m3fn) KV-cache kernel on the GPU (`@pytest.mark.gpu`): decode tiles that read FP8
+K/V by TMA and widen them to fp16 in shared memory (fa4_jax/kernels/fwd_sm90.py: dequant, quantize_q).
+
+Every case: implementation="fa4" (a missing kernel fails, tests/gpu_menu.py says when one may skip),
+fresh random inputs twice after poisoning the allocator, the cache quantized with per-head scales,
+every slot past a sequence's length and every page no sequence owns filled with FP8 NaN (0x7F), and
+the accuracy rule of tests/accuracy.py with
+  - the oracle: float64 attention of q on the dequantized cache (fp8 * scale, exact in float64),
+  - the yardstick: fa4_jax's XLA path on the same FP8 call (the exact reference on the dequantized
+    cache, o rounded once to q's dtype), so the bound is the 16-bit kernels' rule: about one ulp
+    of q's dtype beyond that rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa4_jax
+from accuracy import check_against_reference, poison_allocator
+from fa4_jax.families import KVCacheVariant
+from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for
+from gpu_menu import device_arch, require_variant
+from oracle import OPTION_CASES, attention_oracle, gather, make_sinks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("kvcache")]
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+FP8 = jnp.float8_e4m3fn
+FP8_NAN = np.array(0x7F, np.uint8).view(FP8)  # e4m3fn's NaN (it has no inf)
+
+
+@pytest.fixture(scope="module")
+def built(kernel_variants):
+    return kernel_variants
+
+
+def _require(built, dtype, hd, softcap, page_size):
+    paged = page_size is not None
+    require_variant(built, KVCacheVariant(device_arch(), dtype, hd, MASK, softcap, paged, 64,
+                                          page_rows_for(page_size) if paged else PAGE_ROWS, kv_fp8=True))
+
+
+def _oracle(q, k32, v32, lens, opts, sinks):
+    """float64, per row over its valid keys; k32 / v32 the dequantized contiguous caches."""
+    b, s_q, h_q, d = q.shape
+    kw = dict(opts, softmax_scale=opts.get("softmax_scale", d ** -0.5))
+    if sinks is not None:
+        kw["sinks"] = np.asarray(sinks)
+    o = np.zeros(q.shape, np.float64)
+    lse = np.zeros((b, h_q, s_q), np.float64)
+    q64 = np.asarray(q, np.float32)
+    for n in np.unique(lens):
+        rows = np.flatnonzero(lens == n)
+        o_n, lse_n = attention_oracle(q64[rows], k32[rows, :n], v32[rows, :n], xp=np, **kw)
+        o[rows], lse[rows] = o_n, lse_n
+    return o, lse
+
+
+def run_fp8_case(built, *, b=3, s_q=1, h_q=8, h_k=2, lens, capacity, opts=None, dtype="bf16", hd=128,
+                 page_size=None, num_splits=None, q_scale=1.0, seed=0):
+    opts = dict(opts or {})
+    sinks = opts.pop("sinks", None)
+    _require(built, dtype, hd, opts.get("softcap", 0.0) > 0, page_size)
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    lens = np.asarray(lens, np.int32)
+    sinks = None if sinks is None else jnp.asarray(make_sinks(seed + 5, h_q))
+    k_scale = rng.uniform(0.002, 0.02, h_k).astype(np.float32)  # per KV head, values up to ~9
+    v_scale = rng.uniform(0.002, 0.02, h_k).astype(np.float32)
+    what = (f"fp8 kvcache {dtype} hd{hd} b={b} s_q={s_q} h={h_q}/{h_k} lens={lens.tolist()} page={page_size} "
+            f"splits={num_splits} {opts} sinks={sinks is not None} q_scale={q_scale}")
+    for run in range(2):
+        ks = jax.random.split(jax.random.key(seed * 2 + run), 3)
+        q = (q_scale * jax.random.normal(ks[0], (b, s_q, h_q, hd), jnp.float32)).astype(dt)
+        # Contiguous logical caches first, quantized as update_kvcache does (value / scale, RNE, +-448).
+        k_log = np.asarray(2.0 * jax.random.normal(ks[1], (b, capacity, h_k, hd), jnp.float32))
+        v_log = np.asarray(jax.random.normal(ks[2], (b, capacity, h_k, hd), jnp.float32))
+        k8 = np.clip(k_log / k_scale[:, None], -448, 448).astype(FP8)
+        v8 = np.clip(v_log / v_scale[:, None], -448, 448).astype(FP8)
+        for x in (k8, v8):  # poison: what no row may read
+            for i, n in enumerate(lens):
+                x[i, max(int(n), 0):] = FP8_NAN
+        k32, v32 = (x.astype(np.float32) * s[:, None] for x, s in ((k8, k_scale), (v8, v_scale)))
+        table = None
+        kc, vc = k8, v8
+        if page_size is not None:
+            max_pages = -(-capacity // page_size)
+            num_pages = b * max_pages + 3
+            table = rng.permutation(num_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+            kc = np.full((num_pages, page_size, h_k, hd), FP8_NAN, FP8)  # unowned pages stay NaN
+            vc = kc.copy()
+            pad = max_pages * page_size - capacity
+            for x_pool, x in ((kc, k8), (vc, v8)):
+                full = np.concatenate([x, np.full((b, pad, h_k, hd), FP8_NAN, FP8)], axis=1)
+                x_pool[table.reshape(-1)] = full.reshape(b * max_pages, page_size, h_k, hd)
+            np.testing.assert_array_equal(gather(kc, table)[:, :capacity].view(np.uint8), k8.view(np.uint8))
+        kw = dict(return_lse=True, num_splits=num_splits, **opts)
+
+        @jax.jit
+        def both(q, kc, vc, n, t, s, kscale, vscale):
+            return tuple(fa4_jax.attention_with_kvcache(q, kc, vc, n, page_table=t, sinks=s, k_scale=kscale,
+                                                        v_scale=vscale, implementation=impl, **kw)
+                         for impl in ("fa4", "xla"))
+
+        poison_allocator((q.shape, q.dtype), ((b, h_q, s_q), jnp.float32))
+        ours, xla = both(q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(lens),
+                         None if table is None else jnp.asarray(table), sinks, jnp.asarray(k_scale),
+                         jnp.asarray(v_scale))
+        assert ours[0].dtype == dt
+        ref = _oracle(q, k32, v32, lens, opts, sinks)
+        check_against_reference(ours, xla, ref, what=f"{what} run {run}")
+
+
+GQA = {"mha": 8, "gqa4": 2, "mqa": 1}
+
+
+@pytest.mark.parametrize("heads_kv", list(GQA), ids=list(GQA))
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_fp8_decode_options_gqa(built, case, heads_kv):
+    """Every mask, softcap and sinks, MHA / GQA / MQA, odd lengths incl. an empty row and a full one."""
+    run_fp8_case(built, h_k=GQA[heads_kv], lens=[0, 37, 300], capacity=300, opts=OPTION_CASES[case],
+                 seed=len(case))
+
+
+@pytest.mark.parametrize("num_splits", [1, None, 3, 64])
+def test_fp8_decode_splits(built, num_splits):
+    run_fp8_case(built, b=2, lens=[4099, 1000], capacity=4099, num_splits=num_splits, seed=3)
+
+
+@pytest.mark.parametrize("fuse", ["1", "0"], ids=["merged_by_last_split", "combine_kernel"])
+def test_fp8_split_merge_paths(built, monkeypatch, fuse):
+    monkeypatch.setenv("FA4_JAX_FUSE_COMBINE", fuse)
+    run_fp8_case(built, b=1, lens=[8191], capacity=8192, num_splits=8, opts=dict(causal=True), seed=4)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16, 48, 64, 256])
+@pytest.mark.parametrize("case", ["plain", "everything"])
+def test_fp8_paged(built, page_size, case):
+    """Shuffled page tables, unowned pages NaN, page sizes in TMA pieces (16 | size) or gathered rows."""
+    run_fp8_case(built, lens=[1, 257, 777], capacity=800, page_size=page_size, opts=OPTION_CASES[case],
+                 seed=page_size)
+
+
+@pytest.mark.parametrize("dtype,hd", [("fp16", 128), ("bf16", 64), ("fp16", 64)])
+@pytest.mark.parametrize("page_size", [None, 16, 1], ids=["contiguous", "page16", "page1"])
+def test_fp8_dtypes_head_dims(built, dtype, hd, page_size):
+    run_fp8_case(built, lens=[5, 129, 1000], capacity=1000, dtype=dtype, hd=hd, page_size=page_size,
+                 opts=dict(causal=True), seed=hd)
+
+
+def test_fp8_speculative_rows(built):
+    """s_q 3 (three draft tokens): 12 packed rows per tile, bottom-right causal."""
+    run_fp8_case(built, s_q=3, lens=[3, 64, 2000], capacity=2000, opts=dict(causal=True), seed=7)
+
+
+@pytest.mark.parametrize("q_scale", [3e4, 1e-5], ids=["q_large", "q_tiny"])
+def test_fp8_q_outside_fp16_range(built, q_scale):
+    """q far outside fp16's range times k_scale (3e4 * ~9 overflows fp16, 1e-5 underflows its normals):
+    the per-tile power of two keeps the fp16 gemm exact enough (fwd_sm90.quantize_q). The softmax
+    scale keeps the scores moderate."""
+    run_fp8_case(built, lens=[17, 300, 300], capacity=300, q_scale=q_scale,
+                 opts=dict(softmax_scale=0.1 / (q_scale * 128 ** 0.5)), seed=11)
+
+
+def test_fp8_saturated_and_subnormal_cache(built):
+    """Cache bytes at +-448 (saturation) and in e4m3's subnormal range: the widening is exact."""
+    _require(built, "bf16", 128, False, None)
+    b, cap, h_q, h_k, d = 2, 130, 8, 2, 128
+    rng = np.random.default_rng(5)
+    codes = rng.choice(np.r_[np.arange(0x01, 0x08), np.arange(0x79, 0x7F), np.arange(0x81, 0x88),
+                             np.arange(0xF9, 0xFF)].astype(np.uint8), (b, cap, h_k, d))
+    k8, v8 = codes.view(FP8), rng.permutation(codes.reshape(-1)).reshape(codes.shape).view(FP8)
+    ks, vs = np.float32(0.01), np.float32(0.5)
+    q = jax.random.normal(jax.random.key(0), (b, 1, h_q, d), jnp.float32).astype(jnp.bfloat16)
+    lens = np.array([130, 77], np.int32)
+    k32, v32 = k8.astype(np.float32) * ks, v8.astype(np.float32) * vs
+    ours = fa4_jax.attention_with_kvcache(q, jnp.asarray(k8), jnp.asarray(v8), jnp.asarray(lens), k_scale=ks,
+                                          v_scale=vs, return_lse=True, implementation="fa4")
+    xla = fa4_jax.attention_with_kvcache(q, jnp.asarray(k8), jnp.asarray(v8), jnp.asarray(lens), k_scale=ks,
+                                         v_scale=vs, return_lse=True, implementation="xla")
+    check_against_reference(ours, xla, _oracle(q, k32, v32, lens, {}, None), what="saturated/subnormal cache")
