@@ -969,12 +969,18 @@ class FlashAttentionForwardSm90:
         t8 = thr.partition_S(s8[None, None, stage])
         t16 = thr.partition_D(s16[None, None, 0])
         tc = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
-        r8 = cute.make_rmem_tensor(cute.make_layout(8), s8.element_type)
+        # Every load first, then the conversions and stores: loads and stores of shared memory may
+        # alias as far as the compiler knows, so interleaved they ran one chunk at a time (load
+        # latency each; the first version reached 1.66 TB/s of FP8 bytes at 1 x 128k).
+        n_m, n_k = cute.size(t8, mode=[1]), cute.size(t8, mode=[2])
+        r8 = cute.make_rmem_tensor(cute.make_layout((8, n_m, n_k)), s8.element_type)
         r16 = cute.make_rmem_tensor(cute.make_layout(8), f16)
-        for m in cutlass.range_constexpr(cute.size(t8, mode=[1])):
-            for k in cutlass.range_constexpr(cute.size(t8, mode=[2])):
-                cute.copy(load, t8[None, m, k], r8)
-                r16.store(r8.load().to(f16))
+        for m in cutlass.range_constexpr(n_m):
+            for k in cutlass.range_constexpr(n_k):
+                cute.copy(load, t8[None, m, k], r8[None, m, k])
+        for m in cutlass.range_constexpr(n_m):
+            for k in cutlass.range_constexpr(n_k):
+                r16.store(r8[None, m, k].load().to(f16))
                 if const_expr(valid_rows is not None):
                     if tc[0, m, k][0] >= valid_rows:
                         r16.fill(0.0)
