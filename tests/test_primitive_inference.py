@@ -91,7 +91,7 @@ def kv_bind(q, k, v, seqlens, page_table=None, sinks=None, *, softmax_scale=0.12
     operands = tuple(x for x in (q, k, v, seqlens, page_table, sinks) if x is not None)
     return tuple(fa4_kvcache_p.bind(*operands, softmax_scale=softmax_scale, window_left=window_left,
                                     window_right=window_right, softcap=softcap, has_sinks=sinks is not None,
-                                    paged=page_table is not None, ragged=False, max_seqlen_q=0, tile_m=64, page_rows=16,
+                                    paged=page_table is not None, ragged=False, kv_fp8=False, max_seqlen_q=0, tile_m=64, page_rows=16,
                                     num_splits=num_splits, implementation=implementation))
 
 
@@ -131,7 +131,7 @@ def test_ragged_lowering_sends_a_tile_list_when_sequences_span_tiles(max_seqlen_
 
     def f(q, k, v, lens, cu):
         return fa4_kvcache_p.bind(q, k, v, lens, cu, softmax_scale=0.125, window_left=-1, window_right=0,
-                                  softcap=0.0, has_sinks=False, paged=False, ragged=True, max_seqlen_q=max_seqlen_q,
+                                  softcap=0.0, has_sinks=False, paged=False, ragged=True, kv_fp8=False, max_seqlen_q=max_seqlen_q,
                                   tile_m=tile_m, page_rows=16, num_splits=0, implementation="auto")
 
     _, text = export_text(f, [q, kv, kv, i32(b), i32(b + 1)], ["cuda"])
@@ -190,9 +190,10 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     assert custom_calls(text) == [KV_TARGET], f"{custom_calls(text)=}"
     line = call_line(text, KV_TARGET)
 
-    # Eight operands always: q, k, v, cache_seqlens, page_table, cu_seqlens_q, tile_list, sinks.
+    # Ten operands always: q, k, v, cache_seqlens, page_table, cu_seqlens_q, tile_list, sinks, k_scale,
+    # v_scale (the last two zero-size for 16-bit caches).
     names = operand_names(line, KV_TARGET)
-    assert len(names) == 8, f"{names=}"
+    assert len(names) == 10, f"{names=}"
     assert names[:4] == ["%arg0", "%arg1", "%arg2", "%arg3"], f"{names=}"
     if paged:
         assert names[4] == "%arg4", f"the page table must be passed as is: {names=}"
@@ -205,6 +206,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
         assert NEG_INF_F32 not in text, "given sinks must not be replaced by the -inf default"
     else:
         assert is_splat(text, names[7], (H_Q,), "f32", NEG_INF_F32), f"sinks operand {names[7]} is not -inf"
+    # (k_scale / v_scale: (0,) float32, checked in the signature below.)
 
     cap = num_splits or AUTO_CAP[paged]
     kv_type = tensor((NUM_PAGES, PAGE_SIZE, H_K, D) if paged else (B, CAPACITY, H_K, D), "bf16")
@@ -212,7 +214,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
     assert operands == [
         tensor((B, S_Q, H_Q, D), "bf16"), kv_type, kv_type, tensor((B,), "i32"),
         tensor((B, MAX_PAGES) if paged else (0, 0), "i32"), tensor((0,), "i32"), tensor((0,), "i32"),
-        tensor((H_Q,), "f32"),
+        tensor((H_Q,), "f32"), tensor((0,), "f32"), tensor((0,), "f32"),
     ], f"{operands=}"
     assert results == [
         tensor((B, S_Q, H_Q, D), "bf16"), tensor((B, H_Q, S_Q), "f32"),
@@ -222,7 +224,7 @@ def test_kvcache_cuda_lowering_emits_one_ffi_call(paged, with_sinks, num_splits)
 
     # Typed-FFI attributes with the types ffi/kvcache.cc decodes.
     for attribute in (f"num_splits = {num_splits} : i32", f"has_page_table = {'true' if paged else 'false'}",
-                      "has_cu_seqlens_q = false", "has_tile_list = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32", "page_rows = 16 : i32",
+                      "has_cu_seqlens_q = false", "has_tile_list = false", "has_k_scale = false", "has_v_scale = false", "tile_m = 64 : i32", "max_seqlen_q = 0 : i32", "page_rows = 16 : i32",
                       "softmax_scale = 6.250000e-02 : f32", "softcap = 3.000000e+01 : f32",
                       "window_left = 100 : i32", "window_right = 0 : i32"):
         assert attribute in line, f"{attribute=} missing from {line}"
@@ -236,7 +238,7 @@ def test_kvcache_cuda_lowering_converts_sinks_to_float32():
     f = lambda q, k, v, lens, table, sinks: kv_bind(q, k, v, lens, table, sinks)  # noqa: E731
     _, text = export_text(f, args, ["cuda"])
     names = operand_names(call_line(text, KV_TARGET), KV_TARGET)
-    convert = rf"{re.escape(names[-1])} = stablehlo\.convert %arg5 : \(tensor<8xbf16>\) -> tensor<8xf32>"
+    convert = rf"{re.escape(names[7])} = stablehlo\.convert %arg5 : \(tensor<8xbf16>\) -> tensor<8xf32>"
     assert re.search(convert, text), "bf16 sinks must be converted to float32"
 
 
@@ -741,7 +743,7 @@ _BAD_BINDS = {
     "kv_table": (lambda: kv_bind(*kv_specs(paged=True)[:4], jax.ShapeDtypeStruct((B + 1, MAX_PAGES), jnp.int32)),
                  ValueError, r"page_table"),
     "kv_count": (lambda: fa4_kvcache_p.bind(*kv_specs()[:3], softmax_scale=0.1, window_left=-1, window_right=-1,
-                                            softcap=0.0, has_sinks=False, paged=False, ragged=False,
+                                            softcap=0.0, has_sinks=False, paged=False, ragged=False, kv_fp8=False,
                                             max_seqlen_q=0, tile_m=64, page_rows=16, num_splits=0,
                                             implementation="xla"),
                  ValueError, r"fa4_kvcache takes 4 operands with these params"),
