@@ -277,7 +277,7 @@ def _caches(dtype=FP8, shape=(2, 16, H_K, D)):
     (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, 96), jnp.bfloat16), *_caches(shape=(2, 16, H_K, 96)),
                                     jnp.array([1, 2], jnp.int32), implementation="fa4"),
      # (no FP8 kernel at head_dim 96: the library names the variant it lacks, or says it is not built)
-     RuntimeError, r'implementation="fa4" cannot run here: .*(fa4_kvcache_sm90_bf16_hd96_local_kvfp8|library is unavailable)'),
+     RuntimeError, r'implementation="fa4" cannot run here: .*(fa4_kvcache_sm\d+_bf16_hd96_local_kvfp8|library is unavailable)'),
     (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
                                     implementation="cudnn"),
      ValueError, r'implementation="cudnn" cannot read float8_e4m3fn KV caches'),

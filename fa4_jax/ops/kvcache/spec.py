@@ -294,15 +294,9 @@ KVCACHE = KernelFamily(
     compile="fa4_jax.kernels.kvcache:compile_variant",
     default_menu=default_menu,
     kernel_mask=kernel_mask,
-    # FP8 caches: decode and chunks in rows of their own (chunks have no FP8 kernel yet), and no cuDNN
-    # mapping ("": the reference where no kernel serves the call).
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
                               (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
                               (("paged", paged),), _shape_fields)
-                  for layout, paged in (("contiguous", False), ("paged", True)))
-    + tuple(PublicEntry(f"attention_with_kvcache (FP8 {kind}, {layout})", "", seqlens,
-                        (("paged", paged), ("kv_fp8", True)), _shape_fields)
-            for kind, seqlens in (("decode", (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128))),
-                                  ("chunks", (("a prefill chunk", 512, 2048),)))
-            for layout, paged in (("contiguous", False), ("paged", True))),
+                  for layout, paged in (("contiguous", False), ("paged", True))),
+    # (FP8 caches are not rows of the support matrix: README's FP8 paragraph says what runs them.)
 )
