@@ -89,26 +89,26 @@ def _reference(*operands, softmax_scale, window_left, window_right, softcap, has
                max_seqlen_q, tile_m, page_rows, num_splits, implementation):
     del max_seqlen_q, tile_m, page_rows, num_splits, implementation
     q, k, v, seqlens, page_table, cu_q, sinks, k_scale, v_scale = _split(operands, paged, ragged, has_sinks, kv_fp8)
-    if kv_fp8:
-        # Exactly, on the cache dequantized to float32: a paged cache's pages gathered first (only the
-        # sequences' pages are widened, not the pool), q widened too; o in q's dtype.
-        if paged:
-            b, capacity = seqlens.shape[0], k.shape[1] * page_table.shape[1]
-            k, v = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:]) for x in (k, v))
-        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
-        o, lse = _reference(q.astype(jnp.float32), k, v, seqlens, *(() if cu_q is None else (cu_q,)),
-                            *(() if sinks is None else (sinks,)), softmax_scale=softmax_scale, window_left=window_left,
-                            window_right=window_right, softcap=softcap, has_sinks=has_sinks, paged=False,
-                            ragged=ragged, kv_fp8=False, max_seqlen_q=0, tile_m=0, page_rows=0, num_splits=0,
-                            implementation=None)
-        return o.astype(q.dtype), lse
-    if not ragged:
-        return attention_with_kvcache_reference(q, k, v, seqlens, page_table=page_table, softmax_scale=softmax_scale,
-                                                window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
-    # Ragged: the varlen reference over the cache seen as packed sequences (one per batch entry).
+    options = dict(softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+    if not kv_fp8:
+        return _exact(q, k, v, seqlens, page_table, cu_q, options)
+    # Exactly, on the cache dequantized to float32: a paged cache's pages gathered first (only the
+    # sequences' pages are widened, not the pool), q widened too; o in q's dtype.
+    if paged:
+        b, capacity = seqlens.shape[0], k.shape[1] * page_table.shape[1]
+        k, v = (jnp.take(x, page_table, axis=0, mode="clip").reshape(b, capacity, *x.shape[2:]) for x in (k, v))
+    o, lse = _exact(q.astype(jnp.float32), dequantize(k, k_scale), dequantize(v, v_scale), seqlens, None, cu_q,
+                    options)
+    return o.astype(q.dtype), lse
+
+
+def _exact(q, k, v, seqlens, page_table, cu_q, options):
+    """The family's exact reference on these caches: per batch entry, or (cu_q given) the varlen
+    reference over the cache seen as packed sequences (one per batch entry)."""
+    if cu_q is None:
+        return attention_with_kvcache_reference(q, k, v, seqlens, page_table=page_table, **options)
     pk, pv, cu_k, used = packed_cache(k, v, seqlens, page_table)
-    o, lse = attention_varlen_reference(q[0], pk, pv, cu_q, cu_k, seqused_k=used, softmax_scale=softmax_scale,
-                                        window_size=(window_left, window_right), softcap=softcap, sinks=sinks)
+    o, lse = attention_varlen_reference(q[0], pk, pv, cu_q, cu_k, seqused_k=used, **options)
     return o[None], lse[None]
 
 
