@@ -206,6 +206,20 @@ def test_kvcache_split_merge_paths(built, monkeypatch, fuse):
                                 what=f"call {i} of three in one program, FA4_JAX_FUSE_COMBINE={fuse}")
 
 
+@pytest.mark.parametrize("num_splits", [2, 17])
+@pytest.mark.parametrize("rows", ["rows4", "rows64", "rows128"])
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_kvcache_split_merge_sizes(built, hd, rows, num_splits):
+    """The fused split merge (split_epilogue.merge_splits_if_last) at the sizes that shape it: 4
+    packed rows (decode), 64 (the one-warpgroup tile full) and 128 (two consumer warpgroups, tile_m
+    128, each merging its share of the rows); 2 and 17 splits (more than merge_row loads in one
+    round: a second round of partials); head dims with different partial row lengths. A sequence
+    with no keys and a short one leave most of their splits empty."""
+    s_q, h_q = {"rows4": (1, 32), "rows64": (8, 64), "rows128": (16, 64)}[rows]
+    run_kv_case(built, b=3, s_q=s_q, h_q=h_q, h_k=8, lens=[4000, 0, 130], capacity=4096, hd=hd,
+                num_splits=num_splits, opts=dict(causal=True, sinks=True), seed=hd + num_splits)
+
+
 @pytest.mark.parametrize("num_splits", [1, None, 5])
 @pytest.mark.parametrize("case", ["plain", "everything"])
 @pytest.mark.parametrize("page_size", [1, 5, 16, 32, 48, 64, 128, 256])
