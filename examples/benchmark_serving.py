@@ -151,12 +151,13 @@ class Paged:
     page_size: int
 
 
-def paginate(k_tok, v_tok, lengths: np.ndarray, page_size: int, seed: int) -> Paged:
+def paginate(k_tok, v_tok, lengths: np.ndarray, page_size: int, seed: int | None) -> Paged:
     """The token pool seen as pages of `page_size`, each sequence owning pages drawn at random from the
-    whole pool (a shuffled, partly free pool, as a serving engine's page allocator leaves it)."""
+    whole pool (a shuffled, partly free pool, as a serving engine's page allocator leaves it); with
+    seed None, consecutive pages in order (a diagnostic: what shuffling itself costs)."""
     num_pages = k_tok.shape[0] // page_size
     need = -(-lengths // page_size)
-    perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+    perm = (np.arange(num_pages) if seed is None else np.random.default_rng(seed).permutation(num_pages)).astype(np.int32)
     assert need.sum() <= num_pages
     table = np.zeros((len(lengths), int(need.max())), np.int32)  # entries past a sequence's pages: never read
     start = 0

@@ -6,7 +6,7 @@ as a batched (8, 512) call on both, and as the dense kernel per sequence. Device
 TFLOP/s of the visible (query, key) pairs.
 
     python tools/chunk_probe.py            # every row
-    QUICK=1 python tools/chunk_probe.py    # the two ragged rows only
+    QUICK=1 python tools/chunk_probe.py    # the ragged rows only (paged shuffled / contiguous / paged in order)
 """
 
 import functools
@@ -44,6 +44,9 @@ def main() -> int:
     ragged = functools.partial(bs.ragged_step, max_seqlen_q=c, impl="fa4")
     row(f"ragged, paged {sz.prefill_page}", ragged, q, (paged.k, paged.v, lens_d, cu_d, table))
     row("ragged, contiguous", ragged, q, (kc, vc, lens_d, cu_d, None))
+    in_order = bs.paginate(k_tok, v_tok, lens, sz.prefill_page, seed=None)
+    row(f"ragged, paged {sz.prefill_page}, pages in order", ragged, q,
+        (in_order.k, in_order.v, lens_d, cu_d, jnp.asarray(in_order.table)))
     if os.environ.get("QUICK"):
         return 0
     batched = functools.partial(bs.kvcache_step, impl="fa4")
