@@ -16,6 +16,10 @@ sets) with one block_until_ready on the last, divided by n, because a single cal
 checked against a float64 host reference on a slice before it is timed; a wrong result is reported as
 WRONG and not timed.
 
+FlashAttention-4 (flash-attn-4, PyTorch) gets a bf16 column beside cuDNN when its wheels import (the
+header says whether they do; docs/BENCHMARKING.md says how to bring them to a GPU host without them),
+timed with CUDA events over the same back-to-back batches, checked on the same slice first.
+
 Without a Hopper GPU it says so and runs a small correctness demo of the XLA reference path instead.
 """
 
@@ -27,16 +31,20 @@ import functools
 import importlib.metadata
 import json
 import math
+import os
 import statistics
 import sys
 import time
 
-import numpy as np
+# The FlashAttention-4 column's PyTorch shares the GPU with jax: jax must not grab 75% of its memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax
-import jax.numpy as jnp
+import numpy as np  # noqa: E402
 
-import fa4_jax
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import fa4_jax  # noqa: E402
 
 TOKENS_PER_CALL = 16384
 MODEL_WIDTH = 2048  # heads * head_dim
@@ -216,6 +224,65 @@ def short(err: BaseException, limit: int = 110) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
+class TorchFA4:
+    """FlashAttention-4 (PyTorch: `flash_attn.cute.interface.<function>`) on the same values, when its
+    wheels import here, or the reason it is not here (printed in the header: the table says which).
+    The GPU host lacks the wheels by default; docs/BENCHMARKING.md says how to bring them. Its time is
+    the median of batches of n back-to-back calls between CUDA events (its own launch path, no jax
+    dispatch), n calibrated to about target_batch_s as time_per_call does."""
+
+    def __init__(self, device, function: str = "flash_attn_func"):
+        self.fn, self.torch, self.reason, self.function = None, None, None, function
+        try:
+            import torch
+            from flash_attn.cute import interface
+            self.fn = getattr(interface, function)
+        except Exception as err:  # noqa: BLE001 - any import failure means "no column"
+            self.fn, self.reason = None, f"not importable ({short(err)})"
+            return
+        if device is None or not torch.cuda.is_available():
+            self.fn, self.reason = None, "importable, but no Hopper GPU here for the comparison"
+            return
+        self.torch = torch
+
+    def line(self) -> str:
+        version = _dist_version("flash-attn-4")
+        return "FlashAttention-4: " + (self.reason or f"flash-attn-4 {version}, flash_attn.cute.interface."
+                                       f"{self.function} (PyTorch, CUDA events)")
+
+    def tensor(self, x):
+        """A CUDA torch tensor with x's values, through numpy (bf16 travels as its 16-bit pattern)."""
+        a = np.array(x)  # a writable host copy (torch warns on read-only numpy views of jax arrays)
+        if a.dtype == jnp.bfloat16:
+            return self.torch.from_numpy(a.view(np.int16)).cuda().view(self.torch.bfloat16)
+        return self.torch.from_numpy(a).cuda()
+
+    def time_per_call(self, calls, *, batches: int, target_batch_s: float) -> float:
+        """Median over `batches` of (CUDA-event time of n calls, rotating among `calls`) / n, seconds."""
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def batch(n):
+            start.record()
+            for i in range(n):
+                calls[i % len(calls)]()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / n
+
+        for _ in calls:
+            batch(len(calls))  # compile + first touch of every input set
+        n = max(4, min(500, int(target_batch_s / max(batch(len(calls)), 1e-6))))
+        return statistics.median(batch(n) for _ in range(batches))
+
+    def release(self):
+        if self.torch is not None:
+            import gc
+
+            gc.collect()
+            self.torch.cuda.empty_cache()
+
+
 # --------------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------------
@@ -236,6 +303,29 @@ def measure(name, make_fn, input_sets, rows, ref, *, flops, args, notes):
         return None, None
 
 
+def measure_flash4(flash4: TorchFA4, input_sets, rows, ref, causal: bool, *, flops, args, notes, name):
+    """FlashAttention-4 on the same values: the correctness gate, then CUDA-event timing."""
+    try:
+        torch_sets = [tuple(flash4.tensor(x) for x in xs) for xs in input_sets]
+
+        def call(q, k, v):
+            out = flash4.fn(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out  # (out, lse) in the versions we know
+
+        err = relative_error(call(*torch_sets[0]).float().cpu().numpy(), ref, rows)
+        if not err <= REL_ERR_LIMIT:
+            notes.append(f"{name}: WRONG (relative error {err:.2e} > {REL_ERR_LIMIT:g} on the checked slice); not timed")
+            return None, None
+        t = flash4.time_per_call([functools.partial(call, *xs) for xs in torch_sets], batches=args.batches,
+                                 target_batch_s=args.target_batch_s)
+        return flops / t / 1e12, t
+    except Exception as err:  # noqa: BLE001 - one competitor failing must not kill the table
+        notes.append(f"{name}: n/a ({short(err)})")
+        return None, None
+    finally:
+        flash4.release()
+
+
 def run_row(hd: int, causal: bool, seqlen: int, args) -> dict:
     b, h = max(1, TOKENS_PER_CALL // seqlen), MODEL_WIDTH // hd
     flops = attention_flops(b, h, seqlen, hd, causal)
@@ -248,6 +338,10 @@ def run_row(hd: int, causal: bool, seqlen: int, args) -> dict:
         ref = reference_slice(*sets[0], rows, causal)
         tf, t = measure(f"fa4 {dname}", lambda: fa4_fn(causal), sets, rows, ref, flops=flops, args=args, notes=notes)
         row[f"fa4_{dname}_tflops"], row[f"fa4_{dname}_s"] = tf, t
+        if dname == "bf16" and args.flash4.fn is not None:
+            tf, t = measure_flash4(args.flash4, sets, rows, ref, causal, flops=flops, args=args,
+                                   notes=notes, name=f"FlashAttention-4 {dname}")
+            row[f"flash4_{dname}_tflops"], row[f"flash4_{dname}_s"] = tf, t
         if dname == "bf16" or args.cudnn_fp16:
             tf, t = measure(f"cuDNN {dname}", lambda: cudnn_fn(causal), sets, rows, ref,
                             flops=flops, args=args, notes=notes)
@@ -285,20 +379,25 @@ def ratio(a, b, width=7):
     return f"{a / b:{width}.2f}" if a is not None and b is not None and b > 0 else f"{'-':>{width}}"
 
 
-def table_header(dtypes) -> str:
+def table_header(dtypes, flash4: bool = False) -> str:
     cols = f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'batch':>5} {'heads':>5} |"
     if "bf16" in dtypes:
         cols += f" {'fa4 bf16':>8} {'cuDNN':>8} {'fa4/cuD':>7} |"
+        if flash4:
+            cols += f" {'FA4':>8} {'fa4/FA4':>7} |"
     if "fp16" in dtypes:
         cols += f" {'fa4 fp16':>8} {'Pallas':>8} {'fa4/Pal':>7} | Pallas best config"
     return cols
 
 
-def table_line(r, dtypes) -> str:
+def table_line(r, dtypes, flash4: bool = False) -> str:
     line = f"{r['head_dim']:>4} {('yes' if r['causal'] else 'no'):>6} {r['seqlen']:>6} {r['batch']:>5} {r['heads']:>5} |"
     if "bf16" in dtypes:
         a, c = r.get("fa4_bf16_tflops"), r.get("cudnn_bf16_tflops")
         line += f" {fmt(a)} {fmt(c)} {ratio(a, c)} |"
+        if flash4:
+            f4 = r.get("flash4_bf16_tflops")
+            line += f" {fmt(f4)} {ratio(a, f4)} |"
     if "fp16" in dtypes:
         a, p = r.get("fa4_fp16_tflops"), r.get("pallas_fp16_tflops")
         line += f" {fmt(a)} {fmt(p)} {ratio(a, p)} | {r.get('pallas_fp16_config') or ''}"
@@ -400,10 +499,13 @@ def main(argv=None) -> int:
     if device is None:
         return cpu_demo()
 
+    args.flash4 = TorchFA4(device)
+    print(args.flash4.line())
+    flash4 = args.flash4.fn is not None and "bf16" in args.dtypes
     print(f"setting: {TOKENS_PER_CALL} tokens/call, heads = {MODEL_WIDTH} // hd, TFLOP/s = 4*b*h*s^2*d/t "
           f"(/2 causal), median of {args.batches} batches of back-to-back calls, 2 input sets")
-    print(table_header(args.dtypes))
-    print("-" * len(table_header(args.dtypes)))
+    print(table_header(args.dtypes, flash4))
+    print("-" * len(table_header(args.dtypes, flash4)))
     t_start = time.perf_counter()
     results = []
     for hd in args.hds:
@@ -411,14 +513,14 @@ def main(argv=None) -> int:
             for seqlen in args.seqlen_list:
                 r = run_row(hd, causal, seqlen, args)
                 results.append(r)
-                print(table_line(r, args.dtypes), flush=True)
+                print(table_line(r, args.dtypes, flash4), flush=True)
                 for note in r["notes"]:
                     print(f"{'':>31}  ^ {note}", flush=True)
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(results)} rows in {elapsed:.0f} s. Ratios > 1 mean fa4_jax is faster (same run, same dtype).")
 
     if args.json:
-        meta = dict(header=header_lines(device), device=device.device_kind, jax=jax.__version__,
+        meta = dict(header=header_lines(device), flash4=args.flash4.line(), device=device.device_kind, jax=jax.__version__,
                     date=datetime.datetime.now().astimezone().isoformat(), tokens_per_call=TOKENS_PER_CALL,
                     model_width=MODEL_WIDTH, batches=args.batches, elapsed_s=elapsed)
         with open(args.json, "w") as f:

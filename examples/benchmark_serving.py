@@ -70,7 +70,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import header_lines, kernel_device, kvcache_page_sizes, short, time_per_call  # noqa: E402
+from benchmark import TorchFA4, header_lines, kernel_device, kvcache_page_sizes, short, time_per_call  # noqa: E402
 
 import fa4_jax  # noqa: E402
 
@@ -306,31 +306,11 @@ def ours(name, step, carry, operands, sz: Sizes) -> Competitor:
 # --------------------------------------------------------------------------------------------------
 
 
-class FlashAttention4:
+class FlashAttention4(TorchFA4):
     """flash_attn.cute's flash_attn_varlen_func on the same values, or the reason it is not here."""
 
     def __init__(self, device):
-        self.fn, self.torch, self.reason = None, None, None
-        try:
-            import torch
-            from flash_attn.cute.interface import flash_attn_varlen_func
-        except Exception as err:  # noqa: BLE001 - any import failure means "no column"
-            self.reason = f"not importable ({short(err)})"
-            return
-        if device is None or not torch.cuda.is_available():
-            self.reason = "importable, but no Hopper GPU here for the comparison"
-            return
-        self.fn, self.torch = flash_attn_varlen_func, torch
-
-    def line(self) -> str:
-        return "FlashAttention-4: " + (self.reason or "flash_attn.cute.interface.flash_attn_varlen_func (PyTorch)")
-
-    def tensor(self, x):
-        """A CUDA torch tensor with x's values, through numpy (bf16 travels as its 16-bit pattern)."""
-        a = np.ascontiguousarray(np.asarray(x))
-        if a.dtype == jnp.bfloat16:
-            return self.torch.from_numpy(a.view(np.int16)).cuda().view(self.torch.bfloat16)
-        return self.torch.from_numpy(a).cuda()
+        super().__init__(device, "flash_attn_varlen_func")
 
     def competitor(self, sz: Sizes, q_packed, k, v, cu, lens, max_seqlen_q, table) -> Competitor:
         """k, v: pages (num_pages, page_size, H_KV, D) with table, or a contiguous (batch, capacity,
@@ -345,29 +325,8 @@ class FlashAttention4:
             return out[0] if isinstance(out, tuple) else out  # (out, lse) in the versions we know
 
         return Competitor("FA4", once=lambda: call().float().cpu().numpy(),
-                          measure=lambda: self.time_per_call(call, sz))
-
-    def time_per_call(self, call, sz: Sizes) -> float:
-        """time_per_call's method with CUDA events: warm, calibrate n, median of batches of n calls."""
-        torch = self.torch
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def batch(n):
-            start.record()
-            for _ in range(n):
-                call()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / n
-
-        batch(1)
-        n = max(4, min(500, int(sz.target_batch_s / max(batch(1), 1e-6))))
-        return statistics.median(batch(n) for _ in range(sz.batches))
-
-    def release(self):
-        if self.torch is not None:
-            gc.collect()
-            self.torch.cuda.empty_cache()
+                          measure=lambda: self.time_per_call([call], batches=sz.batches,
+                                                             target_batch_s=sz.target_batch_s))
 
 
 # --------------------------------------------------------------------------------------------------
