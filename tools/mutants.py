@@ -199,6 +199,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "k_len = own",
            ("tests/test_varlen.py::test_seqused_k_hides_the_rest_of_the_segment",),
            "seqused_k ignored"),
+    Mutant("lpt_last_section_full", "fa4_jax/kernels/tile_order.py",
+           "n = hi(section, pairs - first)",
+           "n = section",
+           ("tests/test_tile_order.py", "-k", "every_tile_once"),
+           "the last longest-first section assumed full: tiles of pairs past the batch, others never run"),
 )
 
 

@@ -76,6 +76,7 @@ from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, 
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_problem import TileProblem
+from fa4_jax.kernels.tile_order import lpt_section_pairs
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, transpose_2d, wgmma
 
@@ -562,8 +563,11 @@ class FlashAttentionForwardSm90:
         seqlens = self.seams.seqlens
         lpt = self.mask != "full" and self.seams.scheduler is Scheduler.PERSISTENT
         if const_expr(seqlens is Seqlens.DENSE):
+            section = 1
+            if const_expr(self.mask == "causal"):  # one CTA per tile: longest first over a few pairs
+                section = lpt_section_pairs(mK.shape[0], cfg.head_dim, lo=cutlass.max, hi=cutlass.min)
             scheduler = StaticPersistentTileScheduler.create(cute.ceil_div(mQ.shape[0], cfg.tile_m), mQ.shape[2],
-                                                             mQ.shape[3], lpt=lpt)
+                                                             mQ.shape[3], lpt=lpt, lpt_section=section)
             seqlen = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
             blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, seqlen, window_left, window_right)
             problem = TileProblem(seqlens, cfg.tile_m, cfg.tile_n, self.mask, window_left, window_right,
