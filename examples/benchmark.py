@@ -4,6 +4,8 @@
     python examples/benchmark.py                     # full table (~3-4 min on an H200)
     python examples/benchmark.py --quick             # two rows, hd128 at 4k
     python examples/benchmark.py --hd 128 --seqlens 1k,8k --causal 1 --json out.json
+    python examples/benchmark.py --seqlens 1k,4k,8k,16k --dtype bf16 --json docs/prefill_h200.json --plot docs/prefill_h200.png
+    python examples/benchmark.py --from-json docs/prefill_h200.json --plot docs/prefill_h200.png   # re-plot, no GPU
 
 Setting (the one the project's bar was measured in): 16k tokens per call (batch = 16384 // seqlen),
 heads = 2048 // head_dim, self-attention (seqlen_q = seqlen_k), layout (batch, seqlen, heads, head_dim)
@@ -426,7 +428,13 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=5, help="timed batches per measurement; median reported (>= 5)")
     p.add_argument("--target-batch-s", type=float, default=0.04, help="approximate duration of one timed batch")
     p.add_argument("--cudnn-fp16", action="store_true", help="also time cuDNN in fp16")
+    p.add_argument("--plot", metavar="PNG", help="also draw TFLOP/s against sequence length per head dim "
+                   "(fa4_jax, cuDNN, FlashAttention-4 when timed; bf16) into this PNG (needs matplotlib)")
+    p.add_argument("--from-json", metavar="PATH", help="measure nothing: plot a --json file of an earlier run "
+                   "(with --plot; e.g. on a machine that has matplotlib when the GPU host has not)")
     args = p.parse_args(argv)
+    if args.from_json and not args.plot:
+        p.error("--from-json needs --plot")
     args.hds = [int(x) for x in args.hd.split(",") if x.strip()]
     args.seqlen_list = parse_seqlens(args.seqlens)
     args.causals = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
@@ -436,6 +444,90 @@ def parse_args(argv=None):
     if args.batches < 1:
         p.error("--batches must be >= 1")
     return args
+
+
+# --------------------------------------------------------------------------------------------------
+# the plot
+# --------------------------------------------------------------------------------------------------
+
+PLOT_SERIES = (("fa4_bf16_tflops", "fa4_jax", "C0", "o"), ("cudnn_bf16_tflops", "cuDNN", "C1", "s"),
+               ("flash4_bf16_tflops", "FlashAttention-4", "C2", "^"))
+
+
+def plot_rows(rows: list[dict], path: str, title: str) -> list[str]:
+    """TFLOP/s against sequence length, one panel per (causal, head_dim), one line per competitor
+    timed in bf16 (a competitor with no number in a panel is left out of it). Returns the competitors
+    drawn. matplotlib is imported here only: the benchmark itself does not need it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hds = sorted({r["head_dim"] for r in rows})
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(len(causals), len(hds), figsize=(4.2 * len(hds), 3.4 * len(causals)),
+                             squeeze=False, sharey=True)
+    drawn = []
+    for i, causal in enumerate(causals):
+        for j, hd in enumerate(hds):
+            ax = axes[i][j]
+            panel = sorted((r for r in rows if r["head_dim"] == hd and r["causal"] == causal),
+                           key=lambda r: r["seqlen"])
+            for key, label, color, marker in PLOT_SERIES:
+                pts = [(r["seqlen"], r[key]) for r in panel if r.get(key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), label=label, color=color, marker=marker)
+                    drawn.append(label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([r["seqlen"] for r in panel], [f"{r['seqlen'] // 1024}k" if r["seqlen"] % 1024 == 0
+                                                          else str(r["seqlen"]) for r in panel])
+            ax.minorticks_off()
+            ax.set_title(f"head_dim {hd}, {'causal' if causal else 'full'}", fontsize=10)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("TFLOP/s (bf16)")
+            if i == len(causals) - 1:
+                ax.set_xlabel("sequence length (16k tokens per call)")
+    labels = [label for _, label, _, _ in PLOT_SERIES if label in drawn]
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines()}
+    fig.legend([handles[label] for label in labels], labels, loc="upper center", ncol=len(labels), frameon=False)
+    fig.suptitle(title, fontsize=9, y=0.005, va="bottom")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return labels
+
+
+def plot_title(meta: dict) -> str:
+    date = str(meta.get("date", ""))[:16].replace("T", " ")
+    commit = f"fa4_jax {meta['commit']}, " if meta.get("commit") else ""
+    return f"{meta.get('device', '?')}, {commit}jax {meta.get('jax', '?')}, {date}; one run, back-to-back calls " \
+           f"(FlashAttention-4: CUDA events); examples/benchmark.py"
+
+
+def checkout_commit() -> str | None:
+    """The checkout's short commit (with "+" when it has local changes), or None outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+" if dirty else "")
+
+
+def write_plot(rows, meta, path) -> None:
+    try:
+        labels = plot_rows(rows, path, plot_title(meta))
+    except ImportError as err:
+        print(f"benchmark: no plot ({short(err)}): pip install matplotlib, or plot the --json file later "
+              f"with --from-json on a machine that has it")
+        return
+    print(f"plot ({', '.join(labels)}) written to {path}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -491,6 +583,11 @@ def cpu_demo() -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        write_plot(data["rows"], data["meta"], args.plot)
+        return 0
     device, why = kernel_device("fwd")
     if device is None:
         print(f"benchmark: no fa4_jax kernels to measure here ({why}); the CPU demo instead")
@@ -519,13 +616,16 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(results)} rows in {elapsed:.0f} s. Ratios > 1 mean fa4_jax is faster (same run, same dtype).")
 
+    meta = dict(header=header_lines(device), flash4=args.flash4.line(), commit=checkout_commit(),
+                device=device.device_kind, jax=jax.__version__,
+                date=datetime.datetime.now().astimezone().isoformat(), tokens_per_call=TOKENS_PER_CALL,
+                model_width=MODEL_WIDTH, batches=args.batches, elapsed_s=elapsed)
     if args.json:
-        meta = dict(header=header_lines(device), flash4=args.flash4.line(), device=device.device_kind, jax=jax.__version__,
-                    date=datetime.datetime.now().astimezone().isoformat(), tokens_per_call=TOKENS_PER_CALL,
-                    model_width=MODEL_WIDTH, batches=args.batches, elapsed_s=elapsed)
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=results), f, indent=1)
         print(f"raw numbers written to {args.json}")
+    if args.plot:
+        write_plot(results, meta, args.plot)
     return 0
 
 

@@ -56,6 +56,33 @@ def test_serve_continuous_batching(page_size, tmp_path):
         assert r["metrics"]["pages_reused"] > 0
 
 
+def test_benchmark_plots_a_saved_run(tmp_path):
+    """benchmark.py --from-json --plot draws a saved run without a GPU: one panel per (causal, head
+    dim), a line per competitor that has numbers (here FlashAttention-4 only in one panel)."""
+    rows = []
+    for hd in (64, 128):
+        for causal in (False, True):
+            for s in (1024, 4096):
+                r = dict(head_dim=hd, causal=causal, seqlen=s, fa4_bf16_tflops=300.0 + s / 64,
+                         cudnn_bf16_tflops=280.0 + s / 80)
+                if hd == 128 and causal:
+                    r["flash4_bf16_tflops"] = 310.0 + s / 70
+                rows.append(r)
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(dict(meta=dict(device="NVIDIA TEST", jax="0", date="2026-12-03T10:00", commit="abc"),
+                                     rows=rows)))
+    png = tmp_path / "plot.png"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py")]
+    proc = subprocess.run(cmd + ["--from-json", str(saved), "--plot", str(png)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "plot (fa4_jax, cuDNN, FlashAttention-4) written to" in proc.stdout, proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    bad = subprocess.run(cmd + ["--from-json", str(saved)], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--from-json needs --plot" in bad.stderr
+
+
 def test_benchmark_serving_quick(tmp_path):
     """benchmark_serving.py --quick runs on CPU (XLA reference), checks every row against its float32
     oracle, prints the three tables with their headings and writes the JSON."""
