@@ -11,8 +11,8 @@ prefill rows = back-to-back calls): decode 32/8 heads d128 at 1 x 8k, 1 x 32k, 8
 caches and with lengths 37 short of a 128-key block (the tail a KV cache usually has), contiguous and
 paged (page 64; pages 16 and 1 on full caches), and softcapped (cap 30) on full caches; a ragged step of 8 x 512-row
 causal prefill chunks on 2k-16k of context, page 64, with and without a softcap (back-to-back calls); varlen 8
-sequences of 2000 keys causal; dense prefill hd128 4k (causal and not) and
-hd64 1k causal. Prints, per row, the median over rounds of each library's time and its ratio to the first library's.
+sequences of 2000 keys causal; dense prefill hd128 4k (causal and not), hd64 1k causal, and
+hd128 / hd256 8k causal. Prints, per row, the median over rounds of each library's time and its ratio to the first library's.
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ def _child() -> dict:
                                                              implementation="fa4"))
     timed("varlen 8x~2k causal", f, (qv, kv, vv, cu))
 
-    for hd, s, causal in [(128, 4096, False), (128, 4096, True), (64, 1024, True)]:
+    # Causal rows at three head dims: the tile order (tile_order.py) moves hd256 8k the most.
+    for hd, s, causal in [(128, 4096, False), (128, 4096, True), (64, 1024, True), (128, 8192, True),
+                          (256, 8192, True)]:
         b, h = 16384 // s, 2048 // hd
         ks = jax.random.split(jax.random.key(hd + s), 3)
         q, k, v = (normal(kk, (b, s, h, hd)) for kk in ks)
