@@ -5,7 +5,7 @@ the fake tensors of the family's exported C ABI (fa4_jax/ops/<family>/spec.py) a
 GPU-blind; the AOT exporter (fa4_jax.aot) finds it through `KernelFamily.compile`. Every family is
 one configuration of one forward kernel per architecture (fwd_sm90; fwd_sm100 on Blackwell, with
 config_sm100 and exp2_fma), switched at its seams (seams.py): `tile_problem` and `seqlen` (sequence
-lengths), `loaders` (Q, K/V), `tile_scheduler` (with `tile_order`, its plain arithmetic), `epilogue_sm90`, `split_epilogue` and `combine_sm90`
-(O). Shared pieces: `common` (fake tensors, compile options), `config`, `block_info`, `mask`,
+lengths), `loaders` (Q, K/V), `tile_scheduler` (with `tile_order`, its plain arithmetic),
+`epilogue_sm90`, `split_epilogue` and `combine_sm90` (O). Shared pieces: `common` (fake tensors, compile options), `config`, `block_info`, `mask`,
 `softmax`, `named_barrier`, `utils`.
 """

@@ -13,8 +13,8 @@ the last one, which sees the most keys (longest processing time first shortens t
 `lpt_section` > 1 (dense causal tiles, `lpt_section_pairs`) the (head, batch) pairs go in sections of
 that many, and within a section m-blocks run slowest: all of the section's last m-blocks first, so the
 longest tiles of every pair start early and the short ones fill the tail, while the K/V the CTAs
-read at one time (a section's) still fit in L2. (Measured on the H200, hd256 causal 8k: 1.09x;
-one section for all pairs instead, L2 thrashes: 0.8x at 1k; docs/PERF.md.)
+read at one time (a section's) still fit in L2. (Measured on the H200, hd256 causal 8k: 1.06-1.08x;
+one section for all pairs instead, L2 thrashes: 0.82-0.94x at 1k; docs/PERF.md.)
 
 A tile list (ragged KV-cache calls, ops/kvcache/tiles.py) replaces the (m_block, batch) part of the
 index: tile t of the list is (mTileList[2t], mTileList[2t + 1]) = (batch, m_block), with heads and
