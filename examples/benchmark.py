@@ -238,14 +238,14 @@ class TorchFA4:
         try:
             import torch
             from flash_attn.cute import interface
-            self.fn = getattr(interface, function)
+            fn = getattr(interface, function)
         except Exception as err:  # noqa: BLE001 - any import failure means "no column"
-            self.fn, self.reason = None, f"not importable ({short(err)})"
+            self.reason = f"not importable ({short(err)})"
             return
         if device is None or not torch.cuda.is_available():
-            self.fn, self.reason = None, "importable, but no Hopper GPU here for the comparison"
+            self.reason = "importable, but no Hopper GPU here for the comparison"
             return
-        self.torch = torch
+        self.fn, self.torch = fn, torch
 
     def line(self) -> str:
         version = _dist_version("flash-attn-4")
@@ -290,40 +290,48 @@ class TorchFA4:
 # --------------------------------------------------------------------------------------------------
 
 
-def measure(name, make_fn, input_sets, rows, ref, *, flops, args, notes):
-    """Correctness gate, then timing. Returns (tflops or None, seconds or None); reasons go to notes."""
+def checked_then_timed(name, setup, rows, ref, *, flops, notes):
+    """setup() -> (once, timer): once() is one call's output on the first input set, checked against the
+    reference slice; timer() is the time per call, taken only when that check passed. Returns (tflops
+    or None, seconds or None); why a competitor has no number goes to notes."""
     try:
-        fn = make_fn()
-        err = relative_error(fn(*input_sets[0][:3]), ref, rows)
+        once, timer = setup()
+        err = relative_error(once(), ref, rows)
         if not err <= REL_ERR_LIMIT:
             notes.append(f"{name}: WRONG (relative error {err:.2e} > {REL_ERR_LIMIT:g} on the checked slice); not timed")
             return None, None
-        t = time_per_call(fn, input_sets, batches=args.batches, target_batch_s=args.target_batch_s)
+        t = timer()
         return flops / t / 1e12, t
-    except Exception as err:  # one competitor failing must not kill the table
+    except Exception as err:  # noqa: BLE001 - one competitor failing must not kill the table
         notes.append(f"{name}: n/a ({short(err)})")
         return None, None
 
 
+def measure(name, make_fn, input_sets, rows, ref, *, flops, args, notes):
+    """A jitted competitor (make_fn() -> fn(q, k, v)), timed with time_per_call."""
+    def setup():
+        fn = make_fn()
+        return (lambda: fn(*input_sets[0][:3]),
+                lambda: time_per_call(fn, input_sets, batches=args.batches, target_batch_s=args.target_batch_s))
+
+    return checked_then_timed(name, setup, rows, ref, flops=flops, notes=notes)
+
+
 def measure_flash4(flash4: TorchFA4, input_sets, rows, ref, causal: bool, *, flops, args, notes, name):
-    """FlashAttention-4 on the same values: the correctness gate, then CUDA-event timing."""
-    try:
+    """FlashAttention-4 on the same values, timed with CUDA events."""
+    def setup():
         torch_sets = [tuple(flash4.tensor(x) for x in xs) for xs in input_sets]
 
         def call(q, k, v):
             out = flash4.fn(q, k, v, causal=causal)
             return out[0] if isinstance(out, tuple) else out  # (out, lse) in the versions we know
 
-        err = relative_error(call(*torch_sets[0]).float().cpu().numpy(), ref, rows)
-        if not err <= REL_ERR_LIMIT:
-            notes.append(f"{name}: WRONG (relative error {err:.2e} > {REL_ERR_LIMIT:g} on the checked slice); not timed")
-            return None, None
-        t = flash4.time_per_call([functools.partial(call, *xs) for xs in torch_sets], batches=args.batches,
-                                 target_batch_s=args.target_batch_s)
-        return flops / t / 1e12, t
-    except Exception as err:  # noqa: BLE001 - one competitor failing must not kill the table
-        notes.append(f"{name}: n/a ({short(err)})")
-        return None, None
+        return (lambda: call(*torch_sets[0]).float().cpu().numpy(),
+                lambda: flash4.time_per_call([functools.partial(call, *xs) for xs in torch_sets],
+                                             batches=args.batches, target_batch_s=args.target_batch_s))
+
+    try:
+        return checked_then_timed(name, setup, rows, ref, flops=flops, notes=notes)
     finally:
         flash4.release()
 

@@ -102,6 +102,7 @@ class StaticPersistentTileScheduler:
         head = rest % self.num_heads
         batch = rest // self.num_heads
         if const_expr(self.lpt and isinstance(self.lpt_section, int) and self.lpt_section == 1):
+            # lpt_tile with section 1, without its divisions (the windowed and varlen kernels' code)
             m_block = self.num_m_blocks - 1 - m_block
         elif const_expr(self.lpt):  # (no splits: the dense and varlen kernels)
             m_block, pair = lpt_tile(idx, self.num_m_blocks, self.total // self.num_m_blocks, self.lpt_section,
