@@ -33,7 +33,7 @@ __all__ = [
 
 def family_of(variant) -> KernelFamily:
     for fam in FAMILIES:
-        if type(variant) is fam.variant:  # exact: VarlenVariant extends FwdVariant's fields
+        if type(variant) is fam.variant:  # exact: the families share AttentionVariant's fields
             return fam
     raise TypeError(f"{variant!r} is not a variant of any kernel family")
 

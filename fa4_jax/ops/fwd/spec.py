@@ -27,14 +27,13 @@ def mask_kind(window_left: int, window_right: int) -> str:
 
 
 @dataclass(frozen=True, order=True)
-class FwdVariant(Variant):
-    """One forward-attention kernel: architecture x dtype x head_dim x mask kind x softcap.
+class AttentionVariant(Variant):
+    """The fields every attention family's kernels are compiled for: architecture x dtype x head_dim x
+    mask kind x softcap. The families' variants extend it (FwdVariant, VarlenVariant, KVCacheVariant).
 
     Runtime values (window bounds, softcap value, sinks, scale) are kernel arguments; only what
     changes the inner loop is here: the mask kind and whether scores go through a tanh cap.
     """
-
-    FAMILY_PREFIX = "fa4_fwd"
 
     arch: str = "sm90"
     dtype: str = "bf16"
@@ -59,6 +58,13 @@ class FwdVariant(Variant):
             raise ValueError(f"expected arch_dtype_hdN_mask[_softcap], got {'_'.join(parts)!r}")
         arch, dtype, hd, mask = parts[:4]
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap=len(parts) == 5)
+
+
+@dataclass(frozen=True, order=True)
+class FwdVariant(AttentionVariant):
+    """One dense forward kernel: AttentionVariant's fields."""
+
+    FAMILY_PREFIX = "fa4_fwd"
 
 
 # The architectures this family has kernels for: Hopper, and Blackwell opt-in (not yet validated on

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
 from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
 from fa4_jax.ops.fwd.spec import ARCHES, ATTENTION_KEY, HEAD_DIMS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
-from fa4_jax.ops.fwd.spec import FwdVariant
+from fa4_jax.ops.fwd.spec import AttentionVariant
 
 # The one mask kind this family compiles. The handler turns an unbounded window side into a bound that
 # covers every key (handler_util.h ResolveAttention), so the `local` kernel computes full and causal
@@ -81,8 +81,8 @@ def auto_split_capacity(batch: int, heads_kv: int, rows: int, keys: int) -> int:
 
 
 @dataclass(frozen=True, order=True)
-class KVCacheVariant(FwdVariant):
-    """One KV-cache attention kernel: the dense variant's fields (arch x dtype x head_dim x mask kind x
+class KVCacheVariant(AttentionVariant):
+    """One KV-cache attention kernel: AttentionVariant's fields (arch x dtype x head_dim x mask kind x
     softcap; the mask kind is always MASK), then paged (the producer's address arithmetic), the query
     tile and the rows per page piece."""
 

@@ -8,17 +8,17 @@ offsets, lengths, window bounds, softcap value, sinks and the grid bound max_seq
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fa4_jax.families.base import Attr, Buffer, CallSignature, Field, KernelFamily, PublicEntry, TensorArg, params_as_scalars
-from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, FwdVariant
+from fa4_jax.ops.fwd.spec import ATTENTION_KEY, MASKS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS, AttentionVariant
 from fa4_jax.ops.fwd.spec import mask_kind
 from fa4_jax.ops.fwd.spec import default_menu as fwd_default_menu
 
 
 @dataclass(frozen=True, order=True)
-class VarlenVariant(FwdVariant):
-    """One varlen kernel: the dense variant's fields (arch x dtype x head_dim x mask x softcap)."""
+class VarlenVariant(AttentionVariant):
+    """One varlen kernel: AttentionVariant's fields (arch x dtype x head_dim x mask x softcap)."""
 
     FAMILY_PREFIX = "fa4_varlen"
 
@@ -26,7 +26,7 @@ class VarlenVariant(FwdVariant):
 def default_menu() -> tuple[VarlenVariant, ...]:
     """The dense family's default menu: every architecture, head dim, mask and softcap (the SM100
     kernels opt-in, as the dense ones: families.VALIDATED_ARCHES)."""
-    return tuple(VarlenVariant(**asdict(v)) for v in fwd_default_menu())
+    return tuple(VarlenVariant(v.arch, v.dtype, v.head_dim, v.mask, v.softcap) for v in fwd_default_menu())
 
 
 def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
