@@ -54,8 +54,17 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
 
   DeviceInfo dev;
   const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
-  if (ffi::Error err = PickVariant({0, dtype, static_cast<int>(d), mask, c.softcap > 0}, dev, r); err.failure())
-    return err;
+  Key key{0, dtype, static_cast<int>(d), mask, c.softcap > 0, 0};
+  // Short causal problems take the short-problem tile where the library has one for this device
+  // (spec.SHORT_TILE_*: hd64 on sm90); everything else the head dim's default tile.
+  if (mask == Mask::kCausal && std::max(s_q, s_k) <= kShortTileMaxSeqlen) {
+    if (ffi::Error err = QueryDevice(kTarget, dev); err.failure()) return err;
+    Key short_key = key;
+    short_key.arch = dev.cc;
+    short_key.tile_m = static_cast<int>(kShortTileM);
+    if (Find(short_key) != nullptr) key.tile_m = short_key.tile_m;
+  }
+  if (ffi::Error err = PickVariant(key, dev, r); err.failure()) return err;
 
   Params &p = r.params;
   BindBuffers(c, p);

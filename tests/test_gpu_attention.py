@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 import fa4_jax
 from fa4_jax.families import FWD, FwdVariant, default_menu, mask_kind
+from fa4_jax.ops.fwd.spec import SHORT_TILE_M
 from accuracy import check_against_reference, poison_allocator as _poison_allocator
 from gpu_menu import device_arch, require_variant, validated
 from oracle import attention_oracle, visible_mask
@@ -335,7 +336,7 @@ def _assert_still_healthy(built_variants):
 
 @pytest.mark.parametrize(
     "head_dim,dtype,message",
-    [(32, jnp.bfloat16, r"no kernel for arch=ARCH, dtype=bf16, head_dim=32, mask=full, softcap=false on device \d"),
+    [(32, jnp.bfloat16, r"no kernel for arch=ARCH, dtype=bf16, head_dim=32, mask=full, softcap=false, tile_m=0 on device \d"),
      (128, jnp.float32, r"q must be bfloat16 or float16")],
     ids=["hd32", "f32"],
 )
@@ -386,8 +387,9 @@ def test_missing_variant_raises(built_variants, monkeypatch):
     from fa4_jax.core import library as _ffi
 
     # Dense variants only: a library narrowed to other families misses variants attention() never asks for.
+    # (Not a short-problem tile: the handler picks those and falls back to the default tile without one.)
     missing = [v for v in default_menu()
-               if isinstance(v, FwdVariant) and v.arch == device_arch() and v not in built_variants]
+               if isinstance(v, FwdVariant) and not v.tile_m and v.arch == device_arch() and v not in built_variants]
     narrowed = bool(missing)
     if not narrowed:
         missing = [FwdVariant(device_arch(), "fp16", 192, "local", True)]
@@ -579,3 +581,43 @@ def test_module_load_failure_is_reported_and_recoverable(built_variants):
     out = _run_subprocess(LOAD_FAILURE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": "all", "FA4_JAX_DISABLE_CUDNN": "1",
                                                 "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert "LOAD_FAILURE_OK" in out
+
+
+SHORT_TILE_SCRIPT = """
+import jax, jax.numpy as jnp, fa4_jax
+from fa4_jax.ops.fwd.spec import SHORT_TILE_MAX_SEQLEN as N
+def run(s_q, s_k, causal=True, hd=64):
+    ks = jax.random.split(jax.random.key(s_q * 7 + s_k), 3)
+    q = jax.random.normal(ks[0], (1, s_q, 2, hd), jnp.float32).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (1, s_k, 2, hd), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
+    return jax.block_until_ready(fa4_jax.attention(q, k, v, causal=causal, implementation="fa4"))
+# Longer than the short tile's bound on either side, full attention, another head dim: the default tile.
+for s_q, s_k, causal, hd in [(N + 1, N + 1, True, 64), (N, N + 1, True, 64), (N + 1, N, True, 64),
+                             (N, N, False, 64), (N, N, True, 128)]:
+    assert bool(jnp.all(jnp.isfinite(run(s_q, s_k, causal, hd).astype(jnp.float32)))), (s_q, s_k, causal, hd)
+# Within it (both sides), causal hd64: the handler takes the short tile, whose load fails here. (A
+# causal 1 x 1 call is full attention to the API: its window is trimmed to the keys.)
+for s_q, s_k in [(N, N), (2, 2), (777, 1000), (1000, 129)]:
+    try:
+        run(s_q, s_k)
+        raise SystemExit(f"expected the short tile at {s_q}x{s_k}")
+    except jax.errors.JaxRuntimeError as e:
+        assert "hd64_causal_m64 on device" in str(e) and "simulated by FA4_JAX_FAIL_MODULE_LOAD" in str(e), e
+print("SHORT_TILE_OK")
+"""
+
+
+def test_short_causal_problems_take_the_short_tile(built_variants):
+    """The handler routes causal hd64 problems with max(s_q, s_k) <= SHORT_TILE_MAX_SEQLEN to the
+    64-row tile (FwdVariant.tile_m; its results are checked by every short hd64 causal case above) and
+    everything else to the default tile: shown by making only the short tile's module fail to load."""
+    short = FwdVariant(device_arch(), "bf16", 64, "causal", False, tile_m=SHORT_TILE_M)
+    if short not in default_menu():
+        pytest.skip(f"no short-problem tile on {device_arch()}")
+    require_variant(built_variants, short)
+    _require(built_variants, "bf16", 64, True)
+    _require(built_variants, "bf16", 64, False)
+    _require(built_variants, "bf16", 128, True)
+    out = _run_subprocess(SHORT_TILE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": "hd64_causal_m64",
+                                              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    assert "SHORT_TILE_OK" in out

@@ -1,6 +1,6 @@
 """The SM90 tile configurations (fa4_jax/kernels/config.py) on the CPU: every KV-cache configuration
-of the menu fits the SM's shared memory and registers as many times as it asks to be resident, and
-a configuration that would not is refused with the reason."""
+of the menu (and the dense short-problem tile) fits the SM's shared memory and registers as many
+times as it asks to be resident, and a configuration that would not is refused with the reason."""
 
 from __future__ import annotations
 
@@ -44,3 +44,37 @@ def test_two_ctas_per_sm_refuse_more_than_half_the_shared_memory():
         Sm90FwdConfig(128, 64, 64, 4, 232, 24, False, False, o_staging=False, ctas_per_sm=2)
     with pytest.raises(ValueError, match="register budget exceeded"):
         Sm90FwdConfig(128, 64, 64, 2, 240, 24, False, False, o_staging=False, ctas_per_sm=2)
+
+
+def test_dense_short_tile_variants_and_config():
+    """The dense family's short-problem tile (ops/fwd/spec.py SHORT_TILE_*): a variant field with its own
+    symbol, built for sm90 hd64 causal only, two CTAs of one 64-row consumer warpgroup per SM with a
+    separate O buffer; every other dense variant keeps its head dim's default tile."""
+    from dataclasses import replace
+
+    from fa4_jax.families import FwdVariant, VarlenVariant, default_menu
+    from fa4_jax.ops.fwd.spec import SHORT_TILE_M
+
+    menu = default_menu()
+    short = [v for v in menu if isinstance(v, FwdVariant) and v.tile_m]
+    assert sorted(v.symbol for v in short) == [
+        "fa4_fwd_sm90_bf16_hd64_causal_m64", "fa4_fwd_sm90_bf16_hd64_causal_softcap_m64",
+        "fa4_fwd_sm90_fp16_hd64_causal_m64", "fa4_fwd_sm90_fp16_hd64_causal_softcap_m64"]
+    for v in short:
+        assert FwdVariant.from_symbol(v.symbol) == v and replace(v, tile_m=0) in menu
+    assert FwdVariant.from_symbol("fa4_fwd_sm90_bf16_hd64_causal").tile_m == 0
+    # Only where a short tile exists; the other families have no tile field.
+    with pytest.raises(ValueError, match=r"tile_m 64 is a tile for head_dim \(64,\) and mask \('causal',\) only"):
+        FwdVariant("sm90", "bf16", 128, "causal", False, tile_m=SHORT_TILE_M)
+    with pytest.raises(ValueError, match=r"unsupported tile_m: self.tile_m=128"):
+        FwdVariant("sm90", "bf16", 64, "causal", False, tile_m=128)
+    with pytest.raises(ValueError, match="not a FwdVariant symbol"):
+        FwdVariant.from_symbol("fa4_fwd_sm90_bf16_hd64_full_m64")
+    assert not any(getattr(v, "tile_m", 0) for v in menu if isinstance(v, VarlenVariant))
+
+    cfg = Sm90FwdConfig.for_variant(short[0])
+    assert (cfg.tile_m, cfg.tile_n, cfg.stages, cfg.num_consumer_wg, cfg.ctas_per_sm) == (64, 128, 2, 1, 2)
+    # Launch registers 65536 / (2 x 256) = 128 per thread: the two warpgroups' budgets average to it.
+    assert cfg.consumer_regs + cfg.producer_regs == 2 * SM90_REGS // (cfg.ctas_per_sm * cfg.num_threads)
+    assert cfg.separate_o and cfg.ctas_per_sm * (cfg.smem_bytes + 1024) <= SM90_SMEM_BYTES + 1024
+    assert Sm90FwdConfig.for_variant(replace(short[0], tile_m=0)).tile_m == 192

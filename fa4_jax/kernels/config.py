@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.ops.fwd.spec import FwdVariant
+from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
 # 1 KB of it for each resident CTA.
@@ -94,6 +94,11 @@ class Sm90FwdConfig:
     @classmethod
     def for_variant(cls, v: FwdVariant) -> "Sm90FwdConfig":
         hd = v.head_dim
+        if v.tile_m == SHORT_TILE_M:
+            # FwdVariant's short-problem tile (ops/fwd/spec.py, SHORT_TILE_*: hd64 causal): one consumer
+            # warpgroup of 64 rows, two CTAs per SM (128 launch registers each: 232 consumer / 24
+            # producer), 128-key blocks, 2 stages (81 KB with O's buffer, two per SM).
+            return cls(hd, 64, 128, 2, 232, 24, False, False, ctas_per_sm=2)
         if hd <= 64:
             # Three consumer warpgroups: at hd 64 the softmax (exp) per tile is large relative to the
             # gemms, so more rows per CTA amortise K/V loads and keep the tensor cores fed.

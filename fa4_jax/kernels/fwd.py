@@ -24,6 +24,8 @@ def make_kernel(variant: FwdVariant):
                                            FwdSeams.dense())
         return kernel.call_dense
     if variant.arch == "sm100":
+        if variant.tile_m:
+            raise NotImplementedError(f"the SM100 kernel has no short-problem tile: {variant.symbol}")
         from fa4_jax.kernels.config_sm100 import sm100_fwd_config
         from fa4_jax.kernels.fwd_sm100 import FlashAttentionForwardSm100
 

@@ -5,7 +5,7 @@ Its C ABI (what `fa4_jax.kernels.fwd` compiles and `ffi/fwd.cc` fills) is descri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fa4_jax.families.base import ARCH_CC, DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
 from fa4_jax.families.base import TensorArg, Variant, arch_literal, bool_literal, dtype_literal, enum_literal
@@ -60,11 +60,45 @@ class AttentionVariant(Variant):
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap=len(parts) == 5)
 
 
+# Short causal problems at head_dim 64 on Hopper: the default tile of 192 query rows leaves 1024 rows
+# as 5 1/3 m-blocks (the last a third full), and its longest tiles make the tail; 64-row tiles at two
+# CTAs per SM divide such sequences and balance (measured 1.15-1.19x at 1k, equal at 1.5k, 0.97x at
+# 2k: docs/PERF.md). The handler takes this tile where the library has it for the device and
+# max(s_q, s_k) is at most SHORT_TILE_MAX_SEQLEN; every other call takes the head dim's default tile
+# (tile_m 0). The default menu builds it for SHORT_TILE_ARCHES only (the SM100 kernel has no such tile).
+SHORT_TILE_M = 64
+SHORT_TILE_MAX_SEQLEN = 1024
+SHORT_TILE_HEAD_DIMS = (64,)
+SHORT_TILE_MASKS = ("causal",)
+SHORT_TILE_ARCHES = ("sm90",)
+
+
 @dataclass(frozen=True, order=True)
 class FwdVariant(AttentionVariant):
-    """One dense forward kernel: AttentionVariant's fields."""
+    """One dense forward kernel: AttentionVariant's fields and the query tile (0: the head dim's
+    default; SHORT_TILE_M: the short-problem tile, above)."""
 
     FAMILY_PREFIX = "fa4_fwd"
+
+    tile_m: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_fields({"tile_m": (0, SHORT_TILE_M)})
+        if self.tile_m and (self.head_dim not in SHORT_TILE_HEAD_DIMS or self.mask not in SHORT_TILE_MASKS):
+            raise ValueError(f"tile_m {self.tile_m} is a tile for head_dim {SHORT_TILE_HEAD_DIMS} and mask "
+                             f"{SHORT_TILE_MASKS} only; got head_dim={self.head_dim} mask={self.mask}")
+
+    def _symbol_parts(self):
+        parts = super()._symbol_parts()
+        return (*parts, f"m{self.tile_m}") if self.tile_m else parts
+
+    @classmethod
+    def _from_parts(cls, parts):
+        tile = f"m{SHORT_TILE_M}"
+        tile_m = SHORT_TILE_M if parts and parts[-1] == tile else 0
+        base = AttentionVariant._from_parts(parts[:-1] if tile_m else parts)
+        return cls(**{f.name: getattr(base, f.name) for f in fields(AttentionVariant)}, tile_m=tile_m)
 
 
 # The architectures this family has kernels for: Hopper, and Blackwell opt-in (not yet validated on
@@ -74,7 +108,7 @@ ARCHES = ("sm90", "sm100")
 
 def default_menu() -> tuple[FwdVariant, ...]:
     """Every forward variant `pip install` builds by default."""
-    return tuple(
+    plain = tuple(
         FwdVariant(arch, dtype, hd, mask, softcap)
         for arch in ARCHES
         for dtype in DTYPES
@@ -82,6 +116,15 @@ def default_menu() -> tuple[FwdVariant, ...]:
         for mask in MASKS
         for softcap in (False, True)
     )
+    short = tuple(
+        FwdVariant(arch, dtype, hd, mask, softcap, tile_m=SHORT_TILE_M)
+        for arch in SHORT_TILE_ARCHES
+        for dtype in DTYPES
+        for hd in SHORT_TILE_HEAD_DIMS
+        for mask in SHORT_TILE_MASKS
+        for softcap in (False, True)
+    )
+    return plain + short
 
 
 def _bshd(name: str, ptr: str, seq: str, heads: str, stride: str) -> TensorArg:
@@ -149,6 +192,7 @@ CALL = CallSignature(
         Buffer("lse", "f32", ("b", "h_q", "s_q"), "natural-log units"),
     ),
     attrs=SOFTMAX_ATTRS,
+    constants=(("short_tile_m", SHORT_TILE_M), ("short_tile_max_seqlen", SHORT_TILE_MAX_SEQLEN)),
 )
 
 FWD = KernelFamily(
@@ -168,7 +212,8 @@ FWD = KernelFamily(
     ),
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "max_ctas"),
-    key=ATTENTION_KEY,
+    # tile_m: the handler's choice (SHORT_TILE_*), not the caller's.
+    key=ATTENTION_KEY + (KeyField("tile_m", "int", int_literal),),
     enums={"Mask": MASKS},
     call=CALL,
     handler="ffi/fwd.cc",

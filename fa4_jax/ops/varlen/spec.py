@@ -26,7 +26,8 @@ class VarlenVariant(AttentionVariant):
 def default_menu() -> tuple[VarlenVariant, ...]:
     """The dense family's default menu: every architecture, head dim, mask and softcap (the SM100
     kernels opt-in, as the dense ones: families.VALIDATED_ARCHES)."""
-    return tuple(VarlenVariant(v.arch, v.dtype, v.head_dim, v.mask, v.softcap) for v in fwd_default_menu())
+    return tuple(VarlenVariant(v.arch, v.dtype, v.head_dim, v.mask, v.softcap) for v in fwd_default_menu()
+                 if v.tile_m == 0)
 
 
 def _thd(name: str, ptr: str, total: str, heads: str, stride: str) -> TensorArg:
