@@ -75,13 +75,17 @@ _INERT_BODY = {
 }
 
 
+def _cached_inert(owner, name):
+    """owner.name as a stand-in, created on first use and kept (so `torch.float16` is one object)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    value = _inert(name)
+    setattr(owner, name, value)
+    return value
+
+
 class _InertMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _inert(name)
-        setattr(cls, name, value)
-        return value
+    __getattr__ = _cached_inert
 
     def __call__(cls, *a, **k):
         return _Decorated(a[0]) if len(a) == 1 and callable(a[0]) and not k else type.__call__(cls, *a, **k)
@@ -96,12 +100,7 @@ class _InertMeta(type):
 
 
 class _InertModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _inert(name)
-        setattr(self, name, value)
-        return value
+    __getattr__ = _cached_inert
 
 
 class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
