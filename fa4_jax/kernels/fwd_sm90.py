@@ -769,7 +769,7 @@ class FlashAttentionForwardSm90:
                     tile_softmax = OnlineSoftmax(softmax.scale_log2 * unscale, softmax.row_max, softmax.row_sum)
             self.stamps.consumer_at(phase_times.Q_READY)
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
-                                  s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS),
+                                  s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS, tiled_mma_qk),
                                   tile_softmax, tile_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
                                   dtype, sV, tile.tidx, live_rows, tile.fp8)
             self.stamps.consumer_at(phase_times.MAINLOOP_END)
