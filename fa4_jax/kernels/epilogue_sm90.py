@@ -9,7 +9,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
-from fa4_jax.kernels.utils import acc_as_mn
+from fa4_jax.kernels.utils import acc_as_mn, store_16bit
 
 
 @cute.jit
@@ -30,7 +30,7 @@ def tma_store(cfg, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_b
 
     dtype = sO.element_type
     rO = cute.make_rmem_tensor_like(acc_O, dtype)
-    rO.store(acc_O.load().to(dtype))
+    store_16bit(rO, acc_O)
     if const_expr(cfg.separate_o):
         # The previous tile's O store must have read sO before it is overwritten.
         if tidx < 32:

@@ -78,7 +78,8 @@ from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_order import lpt_section_pairs
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
-from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, transpose_2d, wgmma
+from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
+from fa4_jax.kernels.utils import wgmma
 
 _LOG2E = 1.4426950408889634
 
@@ -831,7 +832,7 @@ class FlashAttentionForwardSm90:
             OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
         mask.apply(acc_S, m_block, n_block, seqlen=True, window=True)
         softmax.step(acc_S, is_first=True, rows=mask.tScS_mn, live_rows=live_rows)
-        tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
+        store_16bit(tOrP, acc_as_frag_a(acc_S))
         if const_expr(self.seams.keys_past_end and fp8 is None):
             # (FP8: dequant zeroes these rows as it widens the block.)
             # Only the first block can hold the sequence's last key (later ones are full); its V
@@ -925,7 +926,7 @@ class FlashAttentionForwardSm90:
         warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
         if const_expr(fp8 is None):
             pipe_v.consumer_release(v_state)
-        tOrP.store(acc_as_frag_a(acc_S).load().to(dtype))
+        store_16bit(tOrP, acc_as_frag_a(acc_S))
         if const_expr(cfg.rescale_o_before_gemm):
             o_scale.store(scale.load())
         else:

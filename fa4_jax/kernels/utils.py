@@ -8,6 +8,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
 
 
@@ -122,3 +123,26 @@ def pow2(e: Int32) -> Float32:
     """2^e exactly, for an integer e in [-126, 127] (the float32 bits (e + 127) << 23; MUFU's ex2 is
     not specified to be exact even at integers)."""
     return Float32(llvm.bitcast(Float32.mlir_type, Int32((e + 127) << 23).ir_value()))
+
+
+@dsl_user_op
+def pack_f32x2(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """(lo, hi) rounded to nearest even into one 32-bit register of two 16-bit floats, lo in the low
+    half: one `cvt.rn.{bf16x2,f16x2}.f32`. (A TensorSSA `.to(bf16)` compiles to one F2FP per element
+    with the other half zero and a PRMT per pair to join them: three instructions where this is one.)"""
+    kind = "bf16x2" if bf16 else "f16x2"
+    # PTX: cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower.
+    return Int32(llvm.inline_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+                                 f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def store_16bit(dst: cute.Tensor, src: cute.Tensor):
+    """dst (a bf16 / fp16 register tensor, compact) = src (float32 registers of the same shape), rounded
+    to nearest even, two elements per instruction: elements 2i and 2i + 1 (in dst's layout order, which
+    for a compact fragment is register order) share one 32-bit register."""
+    dst32 = cute.recast_tensor(dst, Int32)
+    bf16 = const_expr(dst.element_type is cutlass.BFloat16)
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = pack_f32x2(src[2 * i], src[2 * i + 1], bf16)
