@@ -10,7 +10,7 @@
 With implementation=None the kernel-or-reference choice is made per platform while lowering (see
 fa4_jax/core/lowering.py): the CUDA branch calls the kernel when the kernel library of the exporting host
 holds it, every other platform gets the reference. The CUDA program names the kernels only by their
-FFI target (one per kernel family, versioned with its ABI: `fa4_jax_fwd_v3`, ...), which the
+FFI target (one per kernel family, versioned with its ABI: `fa4_jax_fwd_v4`, ...), which the
 serving host's `import fa4_jax` registers from its own library; the handler picks the variant for the
 GPU it runs on and returns an FFI error naming the device if that GPU has no kernels.
 

@@ -11,12 +11,19 @@
 #include "fa4_fwd.inc"  // generated: Params, Key, kVariants, Call, Resolved, the binding
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 
 namespace fa4_jax::gen::fwd {
 namespace {
 ffi::Error Invalid(const std::string &msg) { return InvalidArgument(kTarget, msg); }
+
+bool DynamicTilesEnabled() {
+  const char *v = std::getenv("FA4_JAX_DYNAMIC_TILES");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
 }  // namespace
 
 ffi::Error Resolve(const Call &c, Resolved &r) {
@@ -86,6 +93,20 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
       mask == Mask::kFull || (mask == Mask::kLocal && c.window_left >= 0 && c.window_right >= 0 &&
                               int64_t{c.window_left} + c.window_right <= s_k / 8);
   p.max_ctas = uniform_tiles ? dev.num_sms : std::numeric_limits<int32_t>::max();
+  // Tiles of unequal work (causal, long windows) on a persistent grid after all, when the device's
+  // counter pool serves the call: each CTA takes its next tile from one zero-at-rest counter as it
+  // finishes one (kernels/tile_scheduler.py TileHandout), in the same longest-first order, and its next
+  // tile's loads overlap its current tile's last blocks and epilogue. Otherwise one CTA per tile.
+  // FA4_JAX_DYNAMIC_TILES=0 forces the latter (tests and A/B timing of both paths).
+  p.tile_counter = nullptr;
+  p.n_tile_counters = 0;
+  if (!uniform_tiles && DynamicTilesEnabled()) {
+    if (int32_t *pool = ZeroedCounters(dev.device, c.stream, 1)) {
+      p.tile_counter = pool;
+      p.n_tile_counters = 1;
+      p.max_ctas = dev.num_sms;
+    }
+  }
   p.stream = c.stream;
   return ffi::Error::Success();
 }

@@ -308,6 +308,56 @@ def test_two_calls_in_one_program(built_variants):
                             what="program call b")
 
 
+# Causal and windowed calls (tiles of unequal work): more tiles than SMs in some (the handout hands
+# out the rest), fewer in one, the default tile of each head dim with a persistent grid.
+HANDOUT_CASES = {
+    "hd128_causal_b4_s3000": dict(head_dim=128, causal=True, b=4, s_q=3000, s_k=3000, h_q=16, h_k=4),
+    "hd64_causal_b2_s2500": dict(head_dim=64, causal=True, b=2, s_q=2500, s_k=1900, h_q=12, h_k=12),
+    "hd96_window_b3_s4000": dict(head_dim=96, causal=False, window_size=(1700, 300), b=3, s_q=4000, s_k=4000,
+                                 h_q=8, h_k=2),
+    "hd128_causal_few_tiles": dict(head_dim=128, causal=True, b=1, s_q=300, s_k=700, h_q=2, h_k=1),
+}
+
+
+@pytest.mark.parametrize("case", list(HANDOUT_CASES), ids=list(HANDOUT_CASES))
+def test_tile_handout_matches_one_cta_per_tile(built_variants, monkeypatch, case):
+    """Tiles of unequal work run on a persistent grid that takes them from one zero-at-rest counter
+    (ffi/fwd.cc, kernels/tile_scheduler.py TileHandout; the default) or one CTA each
+    (FA4_JAX_DYNAMIC_TILES=0, as when the counter pool cannot serve a call). A tile computes the same
+    way whichever CTA runs it, so both give the same bits; the handout is also checked against the
+    oracle, and three handout calls in one program are each right: a counter a launch left non-zero
+    would hand the next launch's tiles out from the middle, leaving its first tiles unwritten
+    (poisoned)."""
+    kw = dict(HANDOUT_CASES[case])
+    head_dim, causal, window = kw.pop("head_dim"), kw.pop("causal"), kw.pop("window_size", (-1, -1))
+    _require(built_variants, "bf16", head_dim, causal, window)
+    run_case(built_variants, dtype_name="bf16", head_dim=head_dim, causal=causal, window_size=window, seed=7,
+             **kw)
+    b, s_q, s_k, h_q, h_k = (kw[n] for n in ("b", "s_q", "s_k", "h_q", "h_k"))
+    q, k, v = _inputs(31, b, s_q, s_k, h_q, h_k, head_dim, jnp.bfloat16)
+    call = functools.partial(fa4_jax.attention, causal=causal, window_size=window, return_lse=True,
+                             implementation="fa4")
+
+    @jax.jit
+    def three(q, k, v):
+        return [call(x, k, v) for x in (q, -q, (0.5 * q).astype(q.dtype))]
+
+    outs = {}
+    for dynamic in ("1", "0"):
+        monkeypatch.setenv("FA4_JAX_DYNAMIC_TILES", dynamic)
+        _poison_allocator(*[((b, s_q, h_q, head_dim), jnp.bfloat16), ((b, h_q, s_q), jnp.float32)] * 3)
+        outs[dynamic] = jax.device_get(three(q, k, v))
+    for i, x in enumerate((q, -q, (0.5 * q).astype(q.dtype))):
+        for j in range(2):  # o, lse
+            np.testing.assert_array_equal(outs["1"][i][j], outs["0"][i][j],
+                                          err_msg=f"{case} call {i}: handout vs one CTA per tile, output {j}")
+        scale = 1.0 / math.sqrt(head_dim)
+        check_against_reference(outs["1"][i], fa4_jax.attention(x, k, v, causal=causal, window_size=window,
+                                                                 return_lse=True, implementation="xla"),
+                                ref32(x, k, v, causal=causal, softmax_scale=scale, window_size=window),
+                                what=f"{case}: call {i} of three in one program, tiles handed out")
+
+
 # --------------------------------------------------------------------------------------------------
 # errors surface as Python exceptions, and the process survives them
 # --------------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_target_is_the_v3_abi():
     # v2 = the sinks operand and the window/softcap attributes, v3 = the opt-in attribute. A GPU host
     # with an older library must
     # fail to find the target rather than call a handler with the wrong operands.
-    assert TARGET == "fa4_jax_fwd_v3", f"{TARGET=}"
+    assert TARGET == "fa4_jax_fwd_v4", f"{TARGET=}"
 
 
 @pytest.mark.parametrize("dtype,elt", [(jnp.bfloat16, "bf16"), (jnp.float16, "f16")])

@@ -41,3 +41,11 @@ def fake_f32(rank: int, unit_stride: bool = True):
     shape = tuple(cute.SymInt() for _ in range(rank))
     strides = tuple(stride() for _ in range(rank - 1)) + ((1,) if unit_stride else (stride(),))
     return make_fake_tensor(cutlass.Float32, shape, strides, assumed_align=4)
+
+
+def fake_i32(rank: int):
+    """int32 index tensor: (b, max_pages) row-major with unit last stride; (n,) with a dynamic stride
+    (the exported struct then has a strides array, like every tensor of the ABI)."""
+    shape = tuple(cute.SymInt() for _ in range(rank))
+    strides = (stride(), 1) if rank == 2 else (stride(),)
+    return make_fake_tensor(cutlass.Int32, shape, strides, assumed_align=4)

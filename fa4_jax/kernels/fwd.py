@@ -11,7 +11,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from fa4_jax.ops.fwd.spec import FwdVariant
-from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32
+from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, fake_i32
 
 
 def make_kernel(variant: FwdVariant):
@@ -39,10 +39,10 @@ def compile_variant(variant: FwdVariant):
     """Compile one variant for its architecture, GPU-blind. Returns the compiled object."""
     dtype = DTYPES[variant.dtype]
     q, k, v, o = (fake_bshd(dtype, variant.head_dim) for _ in range(4))
-    lse, sinks = fake_f32(3), fake_f32(1, unit_stride=False)
+    lse, sinks, tile_counter = fake_f32(3), fake_f32(1, unit_stride=False), fake_i32(1)
     scale_log2, softcap_prescale = cutlass.Float32(1.0), cutlass.Float32(1.0)
     window_left, window_right, max_ctas = cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1)
     return cute.compile(
-        make_kernel(variant), q, k, v, o, lse, sinks, scale_log2, softcap_prescale, window_left, window_right,
-        max_ctas, cuda.CUstream(0), options=compile_options(variant.arch),
+        make_kernel(variant), q, k, v, o, lse, sinks, tile_counter, scale_log2, softcap_prescale, window_left,
+        window_right, max_ctas, cuda.CUstream(0), options=compile_options(variant.arch),
     )

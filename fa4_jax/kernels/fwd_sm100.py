@@ -174,6 +174,7 @@ class FlashAttentionForwardSm100:
         mO: cute.Tensor,  # (b, s_q, h_q, d)
         mLSE: cute.Tensor,  # (b, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        mTileCounter: cute.Tensor,  # (n,) int32: the family's dynamic tile handout; one CTA per tile here, unused
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,

@@ -77,7 +77,7 @@ from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
 from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_order import lpt_section_pairs
-from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
+from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler, TileHandout
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
 from fa4_jax.kernels.utils import wgmma
 
@@ -126,6 +126,7 @@ class FlashAttentionForwardSm90:
         mO: cute.Tensor,  # (b, s_q, h_q, d)
         mLSE: cute.Tensor,  # (b, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32 sink logits, -inf = none
+        mTileCounter: cute.Tensor,  # (1,) int32 zero-at-rest counter: tiles handed out (TileHandout); (0,): static
         softmax_scale_log2: Float32,  # log2(e) * (softcap if softcap else softmax_scale)
         softcap_prescale: Float32,  # softmax_scale / softcap (softcap variants only)
         window_left: Int32,  # local variants only, clamped by the handler
@@ -144,9 +145,11 @@ class FlashAttentionForwardSm90:
         # also passes max_ctas >= tiles where tiles differ in work (see ffi/fwd.cc).
         if const_expr(not self.cfg.separate_o):
             max_ctas = num_m_blocks * mQ.shape[2] * mQ.shape[3]
+        elif const_expr(self.cfg.ctas_per_sm > 1):  # max_ctas counts SMs: a persistent grid fills every slot
+            max_ctas = cutlass.min(max_ctas, Int32((2**31 - 1) // self.cfg.ctas_per_sm)) * self.cfg.ctas_per_sm
         grid = StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mQ.shape[3], max_ctas)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
-                    window_left, window_right)
+                    window_left, window_right, mSemaphores=mTileCounter)
 
     @cute.jit
     def call_varlen(
@@ -337,6 +340,8 @@ class FlashAttentionForwardSm90:
             fields["sO"] = smem(sO_size)
         if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
             fields["merge_flag"] = cute.struct.MemRange[Int32, 1]  # split_epilogue.merge_splits_if_last's verdict
+        if self.seams.seqlens is Seqlens.DENSE:
+            fields["next_tile"] = cute.struct.MemRange[Int32, 1]  # TileHandout's slot
         fields.update(phase_times.smem_fields(self.stamps.on))
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -485,7 +490,8 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSequsedK: Optional[cute.Tensor],
         mTileList: Optional[cute.Tensor],  # KV cache: (sequence, m_block) pairs when n_listed > 0
-        mSemaphores: Optional[cute.Tensor],  # KV cache: tile counters of the fused combine (TileProblem)
+        mSemaphores: Optional[cute.Tensor],  # zero-at-rest counters: KV cache: the fused combine's (TileProblem);
+        # dense: the tile handout's (TileHandout)
         mKScale: Optional[cute.Tensor],  # FP8 K/V: (h_k,) float32 scales
         mVScale: Optional[cute.Tensor],
         mSinks: cute.Tensor,
@@ -539,6 +545,10 @@ class FlashAttentionForwardSm90:
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
                                                     num_m_blocks, ragged, mTileList, n_listed, mSemaphores)
+        handout = None  # dense: tiles from the handler's counter when it passes one (TileHandout)
+        if const_expr(self.seams.seqlens is Seqlens.DENSE):
+            handout = TileHandout(mSemaphores, storage.next_tile.get_tensor(cute.make_layout(1)), scheduler.total,
+                                  128 * cfg.num_consumer_wg)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if const_expr(self.kv_gather):  # the whole producer warpgroup gathers K/V rows
@@ -546,12 +556,12 @@ class FlashAttentionForwardSm90:
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
             elif warp_idx == 0:
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
+                          pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
                          tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, scheduler,
-                         problem, sMergeFlag, fp8)
+                         problem, sMergeFlag, fp8, handout)
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
@@ -594,11 +604,13 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def load(self, mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-             pipe_q, pipe_k, pipe_v, scheduler: StaticPersistentTileScheduler, problem: TileProblem, kv_len):
+             pipe_q, pipe_k, pipe_v, scheduler: StaticPersistentTileScheduler, problem: TileProblem, kv_len,
+             handout: TileHandout | None = None):
         """Producer warp, for each of the CTA's tiles: Q once (TMA Q), then K_j / V_j from block
         n_block_max - 1 down to n_block_min, in the order the consumers use them (K_j is needed
         one step before V_j). The pipeline states run on across tiles, so the next tile's Q and
-        first K/V stream in while the consumers finish the current one."""
+        first K/V stream in while the consumers finish the current one. With a handout the producer
+        takes each next tile index and passes it on to the consumers."""
         cfg = self.cfg
         heads_per_kv = 1  # pack-GQA: a tile's head is its KV head
         q_state = None  # pack-GQA: the consumers gather Q themselves
@@ -619,7 +631,10 @@ class FlashAttentionForwardSm90:
                 state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
                                                 tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
                                                 problem, heads_per_kv, kv_len)
-            tile_idx = scheduler.next(tile_idx)
+            if const_expr(handout is not None):
+                tile_idx = handout.producer_next(tile_idx)
+            else:
+                tile_idx = scheduler.next(tile_idx)
         if const_expr(self.kv_gather):
             # This thread's last copies must land before it exits (their barrier arrives are pending).
             cute.arch.cp_async_wait_group(0)
@@ -659,7 +674,8 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
                 tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale,
-                scheduler: StaticPersistentTileScheduler, problem: TileProblem, sMergeFlag=None, fp8=None):
+                scheduler: StaticPersistentTileScheduler, problem: TileProblem, sMergeFlag=None, fp8=None,
+                handout: TileHandout | None = None):
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - 128
         self.stamps.begin_consumer()
@@ -697,6 +713,8 @@ class FlashAttentionForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         args = (mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile)
+        if const_expr(handout is not None):
+            handout.consumers_begin()
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -713,7 +731,10 @@ class FlashAttentionForwardSm90:
                                                             problem.seqlen(work.batch), problem)
             else:
                 state, q_state = self.consume_tile(work, problem.seqlen(work.batch), state, q_state, *args)
-            tile_idx = scheduler.next(tile_idx)
+            if const_expr(handout is not None):
+                tile_idx = handout.consumer_next(tile_idx)
+            else:
+                tile_idx = scheduler.next(tile_idx)
         if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
             epi.tma_store_drain(cfg, tidx)
         if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):

@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from fa4_jax.ops.kvcache.spec import KVCacheVariant
-from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, stride
+from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, fake_i32, stride
 
 
 def make_kernel(variant: KVCacheVariant):
@@ -40,14 +40,6 @@ def make_kernel(variant: KVCacheVariant):
     raise NotImplementedError(f"no KV-cache kernel for {variant.arch=} yet")
 
 
-def _fake_i32(rank: int):
-    """int32 index tensor: (b, max_pages) row-major with unit last stride; (b,) with a dynamic stride
-    (the exported struct then has a strides array, like every tensor of the ABI)."""
-    shape = tuple(cute.SymInt() for _ in range(rank))
-    strides = (stride(), 1) if rank == 2 else (stride(),)
-    return make_fake_tensor(cutlass.Int32, shape, strides, assumed_align=4)
-
-
 def _fake_o_accum(head_dim: int):
     """(splits, b, s_q, h_q, d) float32, d static and unit-stride."""
     shape = tuple(cute.SymInt() for _ in range(4)) + (head_dim,)
@@ -59,11 +51,11 @@ def compile_variant(variant: KVCacheVariant):
     kv_dtype = cutlass.Float8E4M3FN if variant.kv_fp8 else dtype
     q, o = (fake_bshd(dtype, variant.head_dim) for _ in range(2))
     k, v = (fake_bshd(kv_dtype, variant.head_dim) for _ in range(2))
-    page_table, seqlens, cu_seqlens_q, tile_list = _fake_i32(2), _fake_i32(1), _fake_i32(1), _fake_i32(1)
+    page_table, seqlens, cu_seqlens_q, tile_list = fake_i32(2), fake_i32(1), fake_i32(1), fake_i32(1)
     lse, lse_accum = fake_f32(3), fake_f32(4)
     o_accum = _fake_o_accum(variant.head_dim)
     sinks = fake_f32(1, unit_stride=False)
-    semaphores = _fake_i32(1)
+    semaphores = fake_i32(1)
     k_scale, v_scale = fake_f32(1, unit_stride=False), fake_f32(1, unit_stride=False)
     f32, i32 = cutlass.Float32(1.0), cutlass.Int32(1)
     return cute.compile(

@@ -15,6 +15,8 @@ class NamedBarrierFwd(enum.IntEnum):
     WG1_V_TAIL = 5  # a consumer warpgroup's own V rows zeroed (see clear_v_rows in fwd_sm90.py); 6, 7 for wg 1, 2
     WG2_V_TAIL = 6
     WG3_V_TAIL = 7
+    TILE_FULL = 8  # dynamic tile handout (tile_scheduler.TileHandout): the next tile index is in shared memory
+    TILE_EMPTY = 9  # ... and every consumer has read it
 
     @classmethod
     def turn(cls, wg) -> int:

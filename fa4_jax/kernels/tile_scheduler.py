@@ -16,6 +16,12 @@ longest tiles of every pair start early and the short ones fill the tail, while 
 read at one time (a section's) still fit in L2. (Measured on the H200, hd256 causal 8k: 1.06-1.08x;
 one section for all pairs instead, L2 thrashes: 0.82-0.94x at 1k; docs/PERF.md.)
 
+`TileHandout` (dense kernels with a zero-at-rest counter from the handler, ffi/fwd.cc): the same tile
+order, but a persistent grid takes its tiles from the counter, each CTA its next one as it
+finishes one, so CTAs stay busy to the end whatever the tiles' lengths (causal, windows), and each
+CTA's next Q and K/V stream in under its current tile's last blocks and epilogue, which one CTA per
+tile (the hardware's handout) cannot overlap.
+
 A tile list (ragged KV-cache calls, ops/kvcache/tiles.py) replaces the (m_block, batch) part of the
 index: tile t of the list is (mTileList[2t], mTileList[2t + 1]) = (batch, m_block), with heads and
 splits fastest, so all of one listed (sequence, m_block)'s work starts together, in list order.
@@ -30,6 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.tile_order import lpt_tile
 
 
@@ -120,3 +127,62 @@ class StaticPersistentTileScheduler:
                 batch = self.mTileList[2 * t]
                 m_block = self.mTileList[2 * t + 1]
         return WorkTile(m_block, head, batch, split)
+
+
+@dataclass(frozen=True)
+class TileHandout:
+    """Tiles handed out from a global counter (mCounter (1,), zero between launches; shape (0,): off,
+    each CTA walks its static sequence, StaticPersistentTileScheduler.next). The grid's first tiles
+    are its CTAs' indices; each further tile index is grid + the counter's value before an increment.
+    The producer warp takes it (one atomic per tile), so its loads of that tile can start while the
+    consumers are still on the current one, and passes it to the consumers through shared memory
+    (sNext) with two named barriers: TILE_FULL (written) and TILE_EMPTY (read by every consumer, so it
+    may be overwritten). Every CTA takes indices until it gets one past the last tile: `total`
+    increments in all, and the one that returns total - 1 is the launch's last, which puts the
+    counter back to zero."""
+
+    mCounter: cute.Tensor  # (n,) int32, n = 0 or 1
+    sNext: cute.Tensor | None  # (1,) int32 shared memory
+    total: Int32
+    consumer_threads: int
+
+    @property
+    def _threads(self) -> int:
+        return self.consumer_threads + 32  # the consumers and the producer warp
+
+    @cute.jit
+    def consumers_begin(self):
+        """The consumers' first TILE_EMPTY arrival: the slot starts out free (every later one follows a
+        read)."""
+        if self.mCounter.shape[0] > 0:
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.TILE_EMPTY), number_of_threads=self._threads)
+
+    @cute.jit
+    def producer_next(self, idx: Int32) -> Int32:
+        """The producer warp's next tile index (all 32 lanes call this)."""
+        nxt = idx + Int32(cute.arch.grid_dim()[0])
+        if self.mCounter.shape[0] > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.TILE_EMPTY), number_of_threads=self._threads)
+            taken = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                ptr = self.mCounter.iterator.llvm_ptr
+                taken = cute.arch.atomic_add(ptr, Int32(1), sem="relaxed", scope="gpu")
+                if taken == self.total - 1:
+                    # The launch's last increment: nobody reads the counter again in this launch.
+                    cute.arch.atomic_exch(ptr, Int32(0), sem="relaxed", scope="gpu")
+            nxt = cute.arch.shuffle_sync(taken, 0) + Int32(cute.arch.grid_dim()[0])
+            if cute.arch.lane_idx() == 0:
+                self.sNext[0] = nxt
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.TILE_FULL), number_of_threads=self._threads)
+        return nxt
+
+    @cute.jit
+    def consumer_next(self, idx: Int32) -> Int32:
+        """A consumer thread's next tile index (every consumer thread calls this, after its tile)."""
+        nxt = idx + Int32(cute.arch.grid_dim()[0])
+        if self.mCounter.shape[0] > 0:
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.TILE_FULL), number_of_threads=self._threads)
+            nxt = self.sNext[0]
+            if nxt < self.total:  # the producer writes again only for another tile
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.TILE_EMPTY), number_of_threads=self._threads)
+        return nxt

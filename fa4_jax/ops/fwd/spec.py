@@ -157,6 +157,10 @@ _PARAMS = (
     Field("int64_t", "lse_stride[2]", "{batch, head}; the seq stride is 1"),
     *SOFTMAX_PARAMS,
     Field("int32_t", "max_ctas", "persistent grid size: the device's SM count"),
+    Field("int32_t *", "tile_counter", "(n_tile_counters,) a zero-at-rest counter (runtime.h ZeroedCounters) "
+                                       "from which a persistent grid takes its tiles, which the kernel leaves "
+                                       "zeroed; null: CTA c takes tiles c, c + grid, ..."),
+    Field("int32_t", "n_tile_counters", "1 with tile_counter, else 0"),
 )
 
 
@@ -199,7 +203,8 @@ FWD = KernelFamily(
     name="fwd",
     # v2: sinks operand, window/softcap attributes (v1 had q, k, v and causal/softmax_scale only).
     # v3: the generated unvalidated_ok attribute (families.base.OPT_IN_ATTR).
-    target="fa4_jax_fwd_v3",
+    # v4: tile_counter (dynamic tile handout for causal and windowed calls).
+    target="fa4_jax_fwd_v4",
     variant=FwdVariant,
     params=_PARAMS,
     tensors=(
@@ -209,6 +214,7 @@ FWD = KernelFamily(
         _bshd("mO", "o", "s_q", "h_q", "o_stride"),
         TensorArg("mLSE", "p.lse", ("p.b", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
         TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
+        TensorArg("mTileCounter", "p.tile_counter", ("p.n_tile_counters",), ("1",)),
     ),
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "max_ctas"),
