@@ -204,6 +204,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "n = section",
            ("tests/test_tile_order.py", "-k", "every_tile_once"),
            "the last longest-first section assumed full: tiles of pairs past the batch, others never run"),
+    Mutant("mask_bits_pair_tail", "fa4_jax/kernels/mask_bits.py",
+           "hi(lim & 7, 2)",
+           "hi(lim & 7, 1)",
+           ("tests/test_mask_bits.py", "-k", "registers_left_of"),
+           "a bound inside an 8-column group keeps one of the thread's pair of columns, not both"),
+    Mutant("mask_bits_lower_edge", "fa4_jax/kernels/mask_bits.py",
+           "lo(keep_lo - word * BITS, 0)",
+           "lo(keep_lo - word * BITS - 1, 0)",
+           ("tests/test_mask_bits.py", "-k", "visible_columns"),
+           "the window's left edge one register too far left: a key outside the window kept"),
 )
 
 
