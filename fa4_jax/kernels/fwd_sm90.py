@@ -141,8 +141,9 @@ class FlashAttentionForwardSm90:
         mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.cfg.tile_m)
         # Persistent only with a separate O buffer: with O in Q's buffer a CTA would have to hold the
-        # next tile's Q load until its O store has read the buffer, and gain little. The handler
-        # also passes max_ctas >= tiles where tiles differ in work (see ffi/fwd.cc).
+        # next tile's Q load until its O store has read the buffer, and gain little. Where tiles differ
+        # in work the handler passes max_ctas >= tiles, or the SM count with a tile counter (TileHandout;
+        # see ffi/fwd.cc). Without a separate O buffer every CTA's first handout is past the last tile.
         if const_expr(not self.cfg.separate_o):
             max_ctas = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         elif const_expr(self.cfg.ctas_per_sm > 1):  # max_ctas counts SMs: a persistent grid fills every slot
