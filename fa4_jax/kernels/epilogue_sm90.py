@@ -51,8 +51,9 @@ def tma_store(cfg, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tidx, m_b
         cute.copy(tma_atom_O, tOsO, tOgO)
         cute.arch.cp_async_bulk_commit_group()
         if const_expr(not cfg.separate_o):
-            # The CTA's smem must outlive the bulk copy's reads (with a separate sO the next
-            # tile's epilogue, or tma_store_drain, waits instead: the store overlaps work).
+            # sO is Q's buffer: the caller releases Q for the CTA's next tile (and the CTA's smem
+            # must outlive the copy) once it has been read. With a separate sO the next tile's
+            # epilogue, or tma_store_drain, waits instead: the store overlaps work.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 

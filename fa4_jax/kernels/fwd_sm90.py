@@ -140,13 +140,11 @@ class FlashAttentionForwardSm90:
         mQ, mK, mV, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.cfg.tile_m)
-        # Persistent only with a separate O buffer: with O in Q's buffer a CTA would have to hold the
-        # next tile's Q load until its O store has read the buffer, and gain little. Where tiles differ
-        # in work the handler passes max_ctas >= tiles, or the SM count with a tile counter (TileHandout;
-        # see ffi/fwd.cc). Without a separate O buffer every CTA's first handout is past the last tile.
-        if const_expr(not self.cfg.separate_o):
-            max_ctas = num_m_blocks * mQ.shape[2] * mQ.shape[3]
-        elif const_expr(self.cfg.ctas_per_sm > 1):  # max_ctas counts SMs: a persistent grid fills every slot
+        # The handler passes the SM count (persistent grid; with a tile counter where tiles differ in
+        # work: TileHandout, see ffi/fwd.cc) or max_ctas >= tiles (one CTA per tile). Without a separate
+        # O buffer (hd > 128) a CTA's next Q load waits for its O store to have read Q's buffer
+        # (consume_tile), while the next tile's first K/V stream in under the epilogue.
+        if const_expr(self.cfg.ctas_per_sm > 1):  # max_ctas counts SMs: a persistent grid fills every slot
             max_ctas = cutlass.min(max_ctas, Int32((2**31 - 1) // self.cfg.ctas_per_sm)) * self.cfg.ctas_per_sm
         grid = StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mQ.shape[3], max_ctas)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
@@ -576,7 +574,7 @@ class FlashAttentionForwardSm90:
         lpt = self.mask != "full" and self.seams.scheduler is Scheduler.PERSISTENT
         if const_expr(seqlens is Seqlens.DENSE):
             section = 1
-            if const_expr(self.mask == "causal"):  # one CTA per tile: longest first over a few pairs
+            if const_expr(self.mask == "causal"):  # longest first over a few pairs at a time
                 section = lpt_section_pairs(mK.shape[0], cfg.head_dim, lo=cutlass.max, hi=cutlass.min)
             scheduler = StaticPersistentTileScheduler.create(cute.ceil_div(mQ.shape[0], cfg.tile_m), mQ.shape[2],
                                                              mQ.shape[3], lpt=lpt, lpt_section=section)
@@ -772,6 +770,9 @@ class FlashAttentionForwardSm90:
             # two-warpgroup chunk tiles: their rows are nearly all live, and the votes and branches
             # in their compute-bound, ping-ponged mainloop cost ~10% (8 x 512 chunks, docs/PERF.md).
             live_rows = seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m
+        # O staged in Q's buffer (TMA_STORE without cfg.separate_o): Q is released after the O store
+        # has read the buffer, at the end of the epilogue, so that the CTA's next tile may load Q.
+        q_after_store = seams.epilogue is Epilogue.TMA_STORE and not cfg.separate_o
         acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
@@ -796,8 +797,8 @@ class FlashAttentionForwardSm90:
                                   tile_softmax, tile_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
                                   dtype, sV, tile.tidx, live_rows, tile.fp8)
             self.stamps.consumer_at(phase_times.MAINLOOP_END)
-            if const_expr(seams.q_load is QLoad.TMA):
-                if const_expr(seams.epilogue is not Epilogue.TMA_STORE and not cfg.separate_o):
+            if const_expr(seams.q_load is QLoad.TMA and not q_after_store):
+                if const_expr(not cfg.separate_o):
                     # The mainloop keeps Q when O would reuse its buffer; this epilogue stores O
                     # from registers, so the next tile's Q may come in now.
                     pipe_q.consumer_release(q_state)
@@ -816,6 +817,13 @@ class FlashAttentionForwardSm90:
         if const_expr(seams.epilogue is Epilogue.TMA_STORE):
             epi.tma_store(cfg, acc_O, softmax.row_sum, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, tile.tidx,
                           work.m_block, work.head, work.batch, seqlen.seqlen_q)
+            if const_expr(q_after_store):
+                # Every warp has written its O into Q's buffer (the epilogue's second barrier), and the
+                # storing warp returns from tma_store only once the bulk copy has read it: each warp's
+                # release follows its last use, and the producer's next Q waits for all of them.
+                if n_block_max > n_block_min:
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
         elif const_expr(seams.epilogue is Epilogue.ROW_STORE):
             epi.row_store(acc_O, softmax.row_sum, tile.tOcO, mO, mLSE, work.head,
                           seqlen.offset_q + work.m_block * cfg.tile_m, seqlen.seqlen_q - work.m_block * cfg.tile_m)
@@ -887,8 +895,8 @@ class FlashAttentionForwardSm90:
                 state = step(state, lo - 1 - i, True)
 
         # Every gemm that reads Q is done: the producer may load the next tile's Q while the last PV
-        # gemm and the epilogue run. (Without a separate O buffer each CTA has one tile and O is
-        # about to overwrite Q: no release.)
+        # gemm and the epilogue run. (Without a separate O buffer O is about to overwrite Q: Q is
+        # released after the epilogue, consume_tile.)
         if const_expr(cfg.separate_o):
             pipe_q.consumer_release(q_state)
 
