@@ -309,8 +309,15 @@ def test_two_calls_in_one_program(built_variants):
 
 
 # Causal and windowed calls (tiles of unequal work): more tiles than SMs in some (the handout hands
-# out the rest), fewer in one, the default tile of each head dim with a persistent grid.
+# out the rest), fewer in one, the default tile of each head dim with a persistent grid. At hd192/256
+# O is staged in Q's buffer, and a CTA's next Q load waits for its O store to have read it: the
+# causal, windowed and full (static round robin, both settings alike) cases there have 3-4 tiles per
+# SM, so almost every tile's Q lands in a buffer a previous tile's O store has just read.
 HANDOUT_CASES = {
+    "hd256_causal_b2_s2100": dict(head_dim=256, causal=True, b=2, s_q=2100, s_k=2100, h_q=16, h_k=2),
+    "hd192_window_b3_s1500": dict(head_dim=192, causal=False, window_size=(900, 40), b=3, s_q=1500, s_k=1537,
+                                  h_q=12, h_k=4),
+    "hd256_full_b3_s1200": dict(head_dim=256, causal=False, b=3, s_q=1200, s_k=999, h_q=16, h_k=16),
     "hd128_causal_b4_s3000": dict(head_dim=128, causal=True, b=4, s_q=3000, s_k=3000, h_q=16, h_k=4),
     "hd64_causal_b2_s2500": dict(head_dim=64, causal=True, b=2, s_q=2500, s_k=1900, h_q=12, h_k=12),
     "hd96_window_b3_s4000": dict(head_dim=96, causal=False, window_size=(1700, 300), b=3, s_q=4000, s_k=4000,
