@@ -40,3 +40,11 @@ def test_loops_with_gemms_and_their_opcodes():
     outer = max(loops, key=lambda c: sum(c.values()))
     assert outer["HGMMA"] == 4 and outer["MUFU"] == 1 and outer["BRA"] == 2
     assert tool.loop_histograms(LISTING, min_hgmma=5) == []
+
+
+def test_loop_bodies_are_the_histograms_instructions_smallest_first():
+    bodies = tool.loop_bodies(LISTING, min_hgmma=2)
+    assert [len(b) for b in bodies] == [5, 9]
+    assert [tool._opcode(line) for line in bodies[0]] == ["F2FP", "PRMT", "HGMMA", "HGMMA", "BRA"]
+    assert bodies[0][2].startswith("HGMMA.64x256x16.F32.BF16 R24, R192, gdesc[UR20].tnspB")
+    assert [sum(c.values()) for c in tool.loop_histograms(LISTING, min_hgmma=2)] == [5, 9]

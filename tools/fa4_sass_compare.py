@@ -149,8 +149,10 @@ def _opcode(line: str) -> str:
     return op.split(".")[0].rstrip(";")
 
 
-def loop_histograms(sass: str, min_hgmma: int = 4) -> list[collections.Counter]:
-    """Opcode histograms of every backward-branch loop that issues at least min_hgmma HGMMA."""
+def loop_bodies(sass: str, min_hgmma: int = 4) -> list[list[str]]:
+    """The instructions of every backward-branch loop that issues at least min_hgmma HGMMA, smallest
+    first: the per-block mainloop, then its masked twin; the larger ones nest the tile's prologue and
+    epilogue around them."""
     lines = _lines(sass)
     labels = {line[:-1]: i for i, line in enumerate(lines) if line.startswith(".L_x_") and line.endswith(":")}
     out = []
@@ -158,19 +160,24 @@ def loop_histograms(sass: str, min_hgmma: int = 4) -> list[collections.Counter]:
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i:
             body = [b for b in lines[labels[m.group(1)]:i + 1] if not b.startswith(".") and not b.endswith(":")]
-            counts = collections.Counter(_opcode(b) for b in body)
-            if counts["HGMMA"] >= min_hgmma:
-                out.append(counts)
-    return out
+            if sum(_opcode(b) == "HGMMA" for b in body) >= min_hgmma:
+                out.append(body)
+    return sorted(out, key=len)
 
 
-def report(name: str, sass: str, top: int, loops: int) -> None:
+def loop_histograms(sass: str, min_hgmma: int = 4) -> list[collections.Counter]:
+    """Opcode histograms of loop_bodies(sass, min_hgmma), in the same order."""
+    return [collections.Counter(_opcode(b) for b in body) for body in loop_bodies(sass, min_hgmma)]
+
+
+def report(name: str, sass: str, top: int, loops: int, print_loop: int | None = None) -> None:
     static = sum(1 for line in _lines(sass) if not line.startswith(".") and not line.endswith(":"))
     print(f"== {name}: {static} static instructions")
-    # The smallest loops first: the per-block mainloop, then its masked twin; the larger ones nest the
-    # tile's prologue and epilogue around them.
-    for counts in sorted(loop_histograms(sass), key=lambda c: sum(c.values()))[:loops]:
+    for counts in loop_histograms(sass)[:loops]:
         print(f"   loop of {sum(counts.values()):5}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
+    if print_loop is not None:
+        for line in loop_bodies(sass)[print_loop]:
+            print(f"      {line}")
 
 
 def main() -> int:
@@ -183,6 +190,8 @@ def main() -> int:
     ap.add_argument("--tile-n", type=int, default=None, help="FA4's SM90 choice by default (80 at hd256)")
     ap.add_argument("--top", type=int, default=24, help="opcodes shown per loop")
     ap.add_argument("--loops", type=int, default=4, help="loops shown per kernel, smallest first")
+    ap.add_argument("--print-loop", type=int, default=None, metavar="I",
+                    help="also print the SASS of each kernel's I-th loop (0: the smallest, the unmasked mainloop)")
     args = ap.parse_args()
 
     dump = Path(tempfile.mkdtemp(prefix="fa4_sass_"))
@@ -211,10 +220,10 @@ def main() -> int:
     functions = split_functions(disassemble(Path(cubins[0]).read_bytes()))
     theirs = max(functions.values(), key=len)
     what = f"hd{hd} {'causal' if args.causal else 'full'}, tile {args.tile_m} x {tile_n}"
-    report(f"FlashAttention-4 {what}", theirs, args.top, args.loops)
+    report(f"FlashAttention-4 {what}", theirs, args.top, args.loops, args.print_loop)
     for fn, sass in kernel_sass(args.ours).items():
         if "combine" not in fn.lower():
-            report(f"ours {args.ours.name}", sass, args.top, args.loops)
+            report(f"ours {args.ours.name}", sass, args.top, args.loops, args.print_loop)
     return 0
 
 
