@@ -173,10 +173,12 @@ def loop_histograms(sass: str, min_hgmma: int = 4) -> list[collections.Counter]:
 def report(name: str, sass: str, top: int, loops: int, print_loop: int | None = None) -> None:
     static = sum(1 for line in _lines(sass) if not line.startswith(".") and not line.endswith(":"))
     print(f"== {name}: {static} static instructions")
-    for counts in loop_histograms(sass)[:loops]:
-        print(f"   loop of {sum(counts.values()):5}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
+    bodies = loop_bodies(sass)
+    for body in bodies[:loops]:
+        counts = collections.Counter(_opcode(b) for b in body)
+        print(f"   loop of {len(body):5}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
     if print_loop is not None:
-        for line in loop_bodies(sass)[print_loop]:
+        for line in bodies[print_loop]:
             print(f"      {line}")
 
 
