@@ -193,7 +193,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=24, help="opcodes shown per loop")
     ap.add_argument("--loops", type=int, default=4, help="loops shown per kernel, smallest first")
     ap.add_argument("--print-loop", type=int, default=None, metavar="I",
-                    help="also print the SASS of each kernel's I-th loop (0: the smallest, the unmasked mainloop)")
+                    help="also print the SASS of each kernel's I-th loop as listed, smallest first")
     args = ap.parse_args()
 
     dump = Path(tempfile.mkdtemp(prefix="fa4_sass_"))
