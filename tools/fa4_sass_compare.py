@@ -165,9 +165,14 @@ def loop_bodies(sass: str, min_hgmma: int = 4) -> list[list[str]]:
     return sorted(out, key=len)
 
 
+def histogram(body: list[str]) -> collections.Counter:
+    """Opcode counts of a list of SASS instructions."""
+    return collections.Counter(_opcode(b) for b in body)
+
+
 def loop_histograms(sass: str, min_hgmma: int = 4) -> list[collections.Counter]:
     """Opcode histograms of loop_bodies(sass, min_hgmma), in the same order."""
-    return [collections.Counter(_opcode(b) for b in body) for body in loop_bodies(sass, min_hgmma)]
+    return [histogram(body) for body in loop_bodies(sass, min_hgmma)]
 
 
 def report(name: str, sass: str, top: int, loops: int, print_loop: int | None = None) -> None:
@@ -175,7 +180,7 @@ def report(name: str, sass: str, top: int, loops: int, print_loop: int | None = 
     print(f"== {name}: {static} static instructions")
     bodies = loop_bodies(sass)
     for body in bodies[:loops]:
-        counts = collections.Counter(_opcode(b) for b in body)
+        counts = histogram(body)
         print(f"   loop of {len(body):5}: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(top)))
     if print_loop is not None:
         for line in bodies[print_loop]:
