@@ -15,6 +15,8 @@ from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
 # 1 KB of it for each resident CTA.
 SM90_SMEM_BYTES = 227 * 1024
 SM90_SMEM_PER_SM = 228 * 1024
+# Bytes of shared storage beyond the tiles themselves (Sm90FwdConfig._base_smem_bytes).
+SMEM_STRUCT_OVERHEAD = 2 * 1024
 # Registers per SM (64K 32-bit registers).
 SM90_REGS = 65536
 
@@ -42,6 +44,10 @@ class Sm90FwdConfig:
     # FP8 K/V (KV-cache decode tiles): the stages hold 1-byte elements, and the consumer widens each
     # block into one fp16 K and one fp16 V buffer that its wgmma reads (fwd_sm90.py, dequant).
     kv_fp8: bool = False
+    # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
+    # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
+    # binary measured), shared memory for one.
+    launch_bound_ctas: int = 0
 
     def __post_init__(self):
         if self.tile_m % 64:
@@ -54,7 +60,7 @@ class Sm90FwdConfig:
             raise ValueError(f"tiles need {self.smem_bytes=} > {self.smem_limit} bytes of smem "
                              f"({self.ctas_per_sm} CTAs per SM)")
         threads = 128 * (self.num_consumer_wg + 1)
-        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs) * self.ctas_per_sm
+        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs) * self.launch_ctas
         if regs > SM90_REGS or threads > 1024:
             raise ValueError(f"register budget exceeded: {regs=} > {SM90_REGS}")
 
@@ -63,6 +69,11 @@ class Sm90FwdConfig:
         """Shared memory one CTA may use with ctas_per_sm of them resident: the SM's 228 KB less 1 KB
         reserved per CTA, shared out (227 KB for one CTA, 113 KB each for two)."""
         return SM90_SMEM_PER_SM // self.ctas_per_sm - 1024
+
+    @property
+    def launch_ctas(self) -> int:
+        """The CTAs per SM the launch bounds registers for (min_blocks_per_mp)."""
+        return self.launch_bound_ctas or self.ctas_per_sm
 
     @property
     def num_consumer_wg(self) -> int:
@@ -78,7 +89,11 @@ class Sm90FwdConfig:
         q = self.tile_m * self.head_dim * elem
         kv = 2 * self.stages * self.tile_n * self.head_dim * (1 if self.kv_fp8 else elem)
         widened = 2 * self.tile_n * self.head_dim * elem if self.kv_fp8 else 0
-        return q + kv + widened + 1024  # mbarriers + alignment slack
+        # The kernel's shared storage (fwd_sm90.make_shared_storage) aligns every buffer to 1 KB: the
+        # mbarriers ahead of the first buffer take one 1 KB slot, and the small fields after the last
+        # (FP8 amax, split-merge flag, tile-handout slot) round the struct up by another. (Counting one
+        # KB only, three configurations that asked for two CTAs per SM got one: the kernel checks.)
+        return q + kv + widened + SMEM_STRUCT_OVERHEAD
 
     @property
     def separate_o(self) -> bool:
@@ -121,7 +136,8 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
     8 registers of each consumer for 16 more of its own. At tile_m 64 it is
     240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
     64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup.
-    Decode at hd128 runs two CTAs per SM (ctas_per_sm; see below)."""
+    Decode at hd128 runs two CTAs per SM (ctas_per_sm; see below), except the paged 16-bit tile;
+    FP8 decode at hd64 and hd128 does too."""
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs, consumer_regs = 24, 240
     if paged and tile_m == 128:
@@ -138,26 +154,40 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
     # Two warpgroups take turns issuing their gemms (as the dense kernel does at hd <= 128), so that one's
     # softmax runs under the other's gemms: a chunk is compute-bound.
     pingpong = tile_m == 128 and head_dim <= 128
-    ctas, max_stages = 1, 4
+    ctas, max_stages, launch_bound = 1, 4, 0
     if tile_m == 64 and head_dim == 128:
         # Decode at hd128: two CTAs per SM (128 launch registers, shared by setmaxnreg: 232 consumer /
         # 24 producer, or 216 / 40 for the paged producer, which spills at 24 and does not at 40;
         # 64-key blocks). Twice the resident warps and finer blocks draw HBM bandwidth more evenly.
-        # Same-run A/B against one CTA per SM (docs/PERF.md): contiguous 0.976-0.987x the time at
-        # 1 x 8k, 1 x 32k and 8 x 32k with two stages (81 KB; three, 113 KB, measured no better);
-        # paged 0.92-0.97x at 8 x 32k (pages 16 / 64) with three stages, which beat two there.
-        # Not measured yet at hd64/96.
+        # Same-run A/B against one CTA per SM of 128-key blocks (docs/PERF.md): contiguous
+        # 0.976-0.987x the time at 1 x 8k, 1 x 32k and 8 x 32k with two stages; the "three stages"
+        # measured then (113 KB, and paged 0.92-0.97x at 8 x 32k) were 114 KB in fact: one CTA per SM
+        # of 64-key blocks (see the paged case below).
         tile_n, ctas = 64, 2
         producer_regs, consumer_regs = (40, 216) if paged else (24, 232)
-        max_stages = 3 if paged else 2
+        max_stages = 2
+        if paged and not kv_fp8:
+            # The paged 16-bit tile keeps one CTA per SM with three stages: what ran (and was measured)
+            # since 2026-12-02, when the shared-memory estimate was 1 KB short and two did not fit;
+            # two CTAs with two stages each measured 1-3% slower at pages 16 and 64 (docs/PERF.md,
+            # 2026-12-04). Its launch keeps the register bound of two CTAs (128 per thread; the code
+            # measured): bounded for one, ptxas gave it 216 at launch and an 8-24 byte stack frame.
+            ctas, max_stages, launch_bound = 1, 3, 2
+    if kv_fp8 and tile_m == 64 and head_dim == 64:
+        # FP8 tiles are bound by the consumer warpgroup widening each block (fwd_sm90.dequant), not by
+        # HBM: a second CTA per SM doubles the warps that widen (hd128 2026-12-04: 1.28x on batched
+        # rows). 128 launch registers as at hd128.
+        ctas = 2
+        producer_regs, consumer_regs = (40, 216) if paged else (24, 232)
 
     if kv_fp8:
-        # FP8 stages are half the bytes: twice as many keep the same bytes in flight per SM.
+        # FP8 stages are half the bytes: twice as many keep the same bytes in flight per SM (as many
+        # as fit: three at hd128 and four at hd64 with two CTAs per SM).
         max_stages *= 2
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
-                             o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8)
+                             o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound)
 
     stages = 2
     while stages < max_stages:

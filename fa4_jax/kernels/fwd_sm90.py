@@ -293,6 +293,11 @@ class FlashAttentionForwardSm90:
             )
             sO_size = cute.cosize(sQ_layout) if cfg.separate_o else 0
         self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size, kv_dtype, sKV16_layout)
+        # The launch takes the struct's size: past cfg.smem_limit, fewer CTAs than cfg.ctas_per_sm
+        # would be resident (silently: the three 2-CTA decode configs of 2026-12-02 ran one per SM).
+        if self.shared_storage.size_in_bytes() > cfg.smem_limit:
+            raise ValueError(f"shared storage of {self.shared_storage.size_in_bytes()} bytes > {cfg.smem_limit} "
+                             f"({cfg.ctas_per_sm} CTAs per SM); the config counted {cfg.smem_bytes}")
 
         self.kernel(
             mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
@@ -303,12 +308,12 @@ class FlashAttentionForwardSm90:
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency_kwargs())
 
     def residency_kwargs(self) -> dict:
-        """Launch options for cfg.ctas_per_sm CTAs per SM. With more than one, the all-shared-memory
+        """Launch options for registers bounded for cfg.launch_ctas CTAs per SM. With more than one, the all-shared-memory
         carveout is stated (percent): the DSL would otherwise ask the device for its per-SM shared
         memory at compile time, and the build runs GPU-blind."""
-        if self.cfg.ctas_per_sm == 1:
+        if self.cfg.launch_ctas == 1:
             return dict(min_blocks_per_mp=1)
-        return dict(min_blocks_per_mp=self.cfg.ctas_per_sm, preferred_smem_carveout=100)
+        return dict(min_blocks_per_mp=self.cfg.launch_ctas, preferred_smem_carveout=100)
 
     # ------------------------------------------------------------------------------------------
     # Building blocks (called while tracing: plain Python that emits the same code wherever used).
