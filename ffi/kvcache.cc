@@ -29,7 +29,7 @@ namespace {
 
 ffi::Error Invalid(const std::string &msg) { return InvalidArgument(kTarget, msg); }
 
-// Splits for `tiles` CTAs of work on `sms` SMs: none when the tiles already fill ~a wave; otherwise
+// Splits for `tiles` CTAs of work on `sms` CTA slots: none when the tiles already fill ~a wave; otherwise
 // the smallest count whose last wave is nearly full (>= 95% of the best efficiency), since decode is
 // bandwidth-bound and every idle SM is lost bandwidth. FlashAttention's heuristic, with a stricter
 // threshold (it uses 85%).
@@ -47,6 +47,10 @@ int AutoSplits(int64_t tiles, int sms, int64_t blocks, int64_t cap) {
   }
   return 1;
 }
+
+// Keys per FP8 split, in kSplitBlockKeys granules, below which a second CTA slot per SM is not
+// filled (1024 keys at 128 per granule).
+constexpr int64_t kMinFp8SplitGranules = 8;
 
 bool FuseCombineEnabled() {
   const char *v = std::getenv("FA4_JAX_FUSE_COMBINE");
@@ -165,7 +169,18 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
     return err;
 
   const int64_t blocks = std::max<int64_t>(1, (capacity + kSplitBlockKeys - 1) / kSplitBlockKeys);
-  const int64_t splits = c.num_splits > 0 ? c.num_splits : AutoSplits(tiles, dev.num_sms, blocks, splits_cap);
+  // 16-bit decode draws the bandwidth with one CTA per SM: issue 20's sweeps found no gain in more
+  // splits than fill one wave of those. FP8 tiles are bound by their consumer widening each block,
+  // not by HBM, so they fill every CTA slot (two per SM where the variant has them), as long as each
+  // split keeps kMinFp8SplitGranules granules of keys: shorter splits lose more to the merge than the
+  // second slot gains (2026-12-04, 1 x 8k: 32 splits 18.5 us vs 16 splits 17.0).
+  int64_t splits = c.num_splits;
+  if (splits == 0) {
+    splits = AutoSplits(tiles, dev.num_sms, blocks, splits_cap);
+    if (kv_fp8 && r.variant->ctas_per_sm > 1)
+      splits = std::max(splits, static_cast<int64_t>(AutoSplits(tiles, dev.num_sms * r.variant->ctas_per_sm,
+                                                                blocks / kMinFp8SplitGranules, splits_cap)));
+  }
   if (!FitsInt32((tiles + m_blocks * h_k) * splits) || !FitsInt32(2 * n_listed))
     return Invalid("batch x heads_kv x query tiles x num_splits exceeds int32");
 

@@ -125,6 +125,21 @@ def test_generated_constants_match_the_family():
     assert f"kMaxSoftmaxScale = {MAX_SOFTMAX_SCALE!r};" in shared and f"kMaxSoftcap = {MAX_SOFTCAP!r};" in shared
 
 
+def test_generated_variant_table_carries_each_kernels_residency():
+    """The handler's split count reads `ctas_per_sm` from the generated table: the kernel config's value
+    (kernels/config.py) for every KV-cache variant, 1 where a family does not say."""
+    from fa4_jax.ops.kvcache.spec import KVCacheVariant, ctas_per_sm
+
+    for fam in FAMILIES:
+        menu = list(fam.default_menu())
+        inc = codegen.generate_family_inc(fam, menu, "test")
+        for v in menu:
+            want = fam.ctas_per_sm(v) if fam.ctas_per_sm else 1
+            assert re.search(rf'\{{"{v.symbol}", .*&{v.symbol}_module, {want}\}},', inc), v.symbol
+    fp8 = KVCacheVariant("sm90", "bf16", 128, "local", False, kv_fp8=True)
+    assert ctas_per_sm(fp8) == 2 and ctas_per_sm(KVCacheVariant("sm100", "bf16", 128, "local", False)) == 1
+
+
 def test_unvalidated_arches_need_the_calls_opt_in():
     """families.VALIDATED_ARCHES reaches the handlers as IsValidatedArch, and every family's stage
     refuses a variant of another arch unless the call's generated unvalidated_ok attribute is set (the

@@ -297,6 +297,7 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
         "  Key key;",
         "  int32_t (*launch_fn)(void *state, const Params &p);",
         "  ::fa4_jax::Module *module;",
+        "  int ctas_per_sm;  // resident per SM (the kernel's configuration)",
         "  int32_t launch(const Params &p) const { return launch_fn(module->state, p); }",
         "  ::fa4_jax::VariantInfo info() const { return {symbol, module}; }",
         "};",
@@ -308,7 +309,8 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
     out.append("static const Variant kVariants[kNumVariantsHere] = {")
     for v in menu:
         key = ", ".join(k.literal(getattr(v, k.name)) for k in family.key)
-        out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module}},')
+        ctas = family.ctas_per_sm(v) if family.ctas_per_sm else 1
+        out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module, {ctas}}},')
     out.append("};")
     out.append("extern const ::fa4_jax::VariantInfo kVariantInfos[kNumVariantsHere] = {")
     out += [f'    {{"{v.symbol}", &{v.symbol}_module}},' for v in menu]

@@ -250,6 +250,9 @@ class KernelFamily:
     # lowering, the support matrix and the tests ask for. The handler picks the same kind in C++.
     kernel_mask: Callable[[int, int], str]
     entries: tuple[PublicEntry, ...] = ()  # the public functions it serves, for the support matrix
+    # CTAs of a variant resident per SM (its kernel configuration), emitted into the generated
+    # Variant table as `ctas_per_sm` for the handler's work split; None: 1 for every variant.
+    ctas_per_sm: Callable[[Any], int] | None = None
 
     def __post_init__(self):
         names = {f.name for f in fields(self.variant)}

@@ -144,6 +144,16 @@ FP8_TILE_MS = (TILE_M,)
 FP8_HEAD_DIMS = (64, 128)
 
 
+def ctas_per_sm(variant: KVCacheVariant) -> int:
+    """CTAs of `variant` resident per SM: its SM90 kernel configuration's (kernels/config.py, plain
+    Python; read by the code generator at build time only), 1 on other arches."""
+    if variant.arch != "sm90":
+        return 1
+    from fa4_jax.kernels.config import kvcache_config
+
+    return kvcache_config(variant.head_dim, variant.tile_m, variant.paged, variant.kv_fp8).ctas_per_sm
+
+
 def default_menu() -> tuple[KVCacheVariant, ...]:
     """Every arch (the SM100 kernels opt-in, as the dense ones: families.VALIDATED_ARCHES), dtype,
     head dim, softcap, cache layout, query tile and page piece."""
@@ -294,6 +304,7 @@ KVCACHE = KernelFamily(
     compile="fa4_jax.kernels.kvcache:compile_variant",
     default_menu=default_menu,
     kernel_mask=kernel_mask,
+    ctas_per_sm=ctas_per_sm,
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
                               (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
                               (("paged", paged),), _shape_fields)
