@@ -315,3 +315,20 @@ def test_export_round_trip():
     (o, k), (o2, k2) = step(*args), restored.call(*args)
     np.testing.assert_array_equal(f64(o), f64(o2))
     assert_same_fp8(k2, k)
+
+
+@pytest.mark.parametrize("s_q", [1, 16, 17, 512])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_fp8_calls_take_the_decode_tile_at_every_length(s_q, ragged):
+    """FP8 caches have the 64-row tile only (spec.FP8_TILE_MS): a prefill chunk runs as several of those
+    tiles per sequence instead of the reference, so the lowering picks a variant the menu has."""
+    from fa4_jax.families import default_menu
+    from fa4_jax.ops.kvcache import api
+    from fa4_jax.ops.kvcache.primitive import kernel_variant
+
+    tile_m = api._tile_m(s_q, H_Q, H_K, True)
+    assert tile_m == 64 and api._tile_m(s_q, H_Q, H_K) == (64 if s_q * H_Q // H_K <= 64 else 128)
+    params = dict(softmax_scale=SCALE, window_left=-1, window_right=0, softcap=0.0, has_sinks=False, paged=ragged,
+                  ragged=ragged, kv_fp8=True, max_seqlen_q=s_q if ragged else 0, tile_m=tile_m, page_rows=16,
+                  num_splits=0)
+    assert kernel_variant("sm90", jnp.bfloat16, D, params) in default_menu()

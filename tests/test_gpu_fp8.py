@@ -181,3 +181,69 @@ def test_fp8_saturated_and_subnormal_cache(built):
     xla = fa4_jax.attention_with_kvcache(q, jnp.asarray(k8), jnp.asarray(v8), jnp.asarray(lens), k_scale=ks,
                                          v_scale=vs, return_lse=True, implementation="xla")
     check_against_reference(ours, xla, _oracle(q, k32, v32, lens, {}, None), what="saturated/subnormal cache")
+
+
+@pytest.mark.parametrize("s_q", [37, 128])
+@pytest.mark.parametrize("page_size", [None, 16, 1], ids=["contiguous", "page16", "page1"])
+def test_fp8_prefill_chunks(built, s_q, page_size):
+    """A prefill chunk on an FP8 cache (s_q x 4 q-heads per KV head = 148 / 512 packed rows): several
+    64-row tiles per sequence (FP8 caches have that tile only), bottom-right causal; the first
+    sequence is shorter than its chunk (its first rows see no key)."""
+    run_fp8_case(built, s_q=s_q, lens=[20, 300, 1999], capacity=1999, page_size=page_size,
+                 opts=dict(causal=True), seed=s_q + (page_size or 0))
+
+
+@pytest.mark.parametrize("case", ["plain", "window_two_sided", "everything"])
+def test_fp8_prefill_chunk_options(built, case):
+    run_fp8_case(built, s_q=100, lens=[100, 555, 1000], capacity=1000, opts=OPTION_CASES[case], seed=len(case) + 40)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 5], ids=["contiguous", "page16", "page5"])
+def test_fp8_ragged_chunks_and_decodes(built, page_size):
+    """One ragged call (cu_seqlens_q) mixing prefill chunks, an empty sequence and one-token decodes
+    on an FP8 cache, as a serving step does; slots past each length and unowned pages NaN."""
+    _require(built, "bf16", 128, False, page_size)
+    h_q, h_k, d, cap = 8, 2, 128, 700
+    q_lens = np.array([40, 0, 1, 130, 1], np.int32)
+    lens = np.array([300, 5, 699, 130, 1], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    b, total = len(lens), int(cu[-1])
+    rng = np.random.default_rng(17 + (page_size or 0))
+    k_scale = rng.uniform(0.002, 0.02, h_k).astype(np.float32)
+    v_scale = rng.uniform(0.002, 0.02, h_k).astype(np.float32)
+    ks = jax.random.split(jax.random.key(page_size or 0), 3)
+    q = jax.random.normal(ks[0], (total, h_q, d), jnp.float32).astype(jnp.bfloat16)
+    k8 = np.clip(np.asarray(2.0 * jax.random.normal(ks[1], (b, cap, h_k, d))) / k_scale[:, None], -448, 448).astype(FP8)
+    v8 = np.clip(np.asarray(jax.random.normal(ks[2], (b, cap, h_k, d))) / v_scale[:, None], -448, 448).astype(FP8)
+    for x in (k8, v8):
+        for i, n in enumerate(lens):
+            x[i, n:] = FP8_NAN
+    k32, v32 = (x.astype(np.float32) * s[:, None] for x, s in ((k8, k_scale), (v8, v_scale)))
+    kc, vc, table = k8, v8, None
+    if page_size is not None:
+        mp = -(-cap // page_size)
+        table = rng.permutation(b * mp + 3)[: b * mp].reshape(b, mp).astype(np.int32)
+        full = lambda x: np.concatenate([x, np.full((b, mp * page_size - cap, h_k, d), FP8_NAN, FP8)], axis=1)  # noqa: E731
+        kc, vc = (np.full((b * mp + 3, page_size, h_k, d), FP8_NAN, FP8) for _ in range(2))
+        kc[table.reshape(-1)] = full(k8).reshape(b * mp, page_size, h_k, d)
+        vc[table.reshape(-1)] = full(v8).reshape(b * mp, page_size, h_k, d)
+
+    @jax.jit
+    def both(q, kc, vc, n, cu, t, kscale, vscale):
+        return tuple(fa4_jax.attention_with_kvcache(q, kc, vc, n, cu_seqlens_q=cu, page_table=t, causal=True,
+                                                    k_scale=kscale, v_scale=vscale, return_lse=True,
+                                                    implementation=impl) for impl in ("fa4", "xla"))
+
+    poison_allocator((q.shape, q.dtype), ((h_q, total), jnp.float32))
+    ours, xla = both(q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(lens), jnp.asarray(cu),
+                     None if table is None else jnp.asarray(table), jnp.asarray(k_scale), jnp.asarray(v_scale))
+    o_ref, lse_ref = np.zeros((total, h_q, d)), np.zeros((h_q, total))
+    for i in range(b):
+        r = slice(cu[i], cu[i + 1])
+        if cu[i + 1] > cu[i]:
+            o_i, lse_i = attention_oracle(np.asarray(q[r], np.float32)[None], k32[i:i + 1, :lens[i]],
+                                          v32[i:i + 1, :lens[i]], softmax_scale=d ** -0.5, causal=True, xp=np)
+            o_ref[r], lse_ref[:, r] = o_i[0], lse_i[0]
+    lift = lambda o, lse: (np.asarray(o)[None], np.asarray(lse)[None])  # noqa: E731  (b = 1 for the rule)
+    check_against_reference(lift(*ours), lift(*xla), lift(o_ref, lse_ref),
+                            what=f"fp8 ragged q_lens={q_lens.tolist()} lens={lens.tolist()} page={page_size}")

@@ -25,7 +25,7 @@ from fa4_jax.core.implementation import Implementation, resolve_implementation, 
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
 from fa4_jax.ops.kvcache.quant import check_fp8_caches, check_scale, is_fp8, quantize
-from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
+from fa4_jax.ops.kvcache.spec import FP8_TILE_MS, PAGE_ROWS, page_rows_for, tile_m_for
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
                    "implementation")
@@ -69,11 +69,12 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         the cache was quantized with (update_kvcache): the cache holds value / scale and attention reads
         fp8 * scale. A scalar or (heads_kv,), traced values allowed; None = 1.0. Scales with 16-bit
         caches are an error. q stays bfloat16/float16 and o has its dtype. On Hopper the FP8 kernel
-        serves decode calls (seqlen_q x heads_q / heads_kv <= 64 packed rows per sequence) at head_dim
-        64 and 128, contiguous and paged, with every mask, softcap and sinks: it widens each FP8 block
-        to fp16 in shared memory and computes with q * k_scale in fp16 (scaled per tile into fp16's
-        range). Other FP8 calls run the exact reference on the dequantized (float32) cache
-        (implementation None or "xla"; "fa4" says when it has no kernel; cuDNN has no FP8 path).
+        serves every call at head_dim 64 and 128 (decode, prefill chunks as several 64-row tiles per
+        sequence, ragged batches), contiguous and paged, with every mask, softcap and sinks: it widens
+        each FP8 block to fp16 in shared memory and computes with q * k_scale in fp16 (scaled per tile
+        into fp16's range). Other FP8 calls (other head dims or GPUs) run the exact reference on the
+        dequantized (float32) cache (implementation None or "xla"; "fa4" says when it has no kernel;
+        cuDNN has no FP8 path).
       implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every
         head_dim). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
         softcap or sinks, and a causal mask or window only when seqlen_q == 1 (no left window).
@@ -132,7 +133,7 @@ def _attention(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q, max_seqlen_q
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=False, kv_fp8=scales is not None,
-                  max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2]),
+                  max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2], scales is not None),
                   page_rows=_page_rows(k_cache, paged),
                   num_splits=num_splits or 0)
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks, *(scales or ()))
@@ -151,9 +152,12 @@ def _checked_caches(q, k_cache, v_cache, scales):
     return tuple(jax.ShapeDtypeStruct(x.shape, q.dtype) for x in (k_cache, v_cache))
 
 
-def _tile_m(rows_per_sequence, heads_q, heads_kv) -> int:
+def _tile_m(rows_per_sequence, heads_q, heads_kv, kv_fp8: bool = False) -> int:
     """The kernel's query tile for sequences of up to `rows_per_sequence` queries (a symbolic count
-    takes the wide tile: correct for any value, fastest for long ones)."""
+    takes the wide tile: correct for any value, fastest for long ones). FP8 caches have the decode
+    tile only (spec.FP8_TILE_MS): it serves prefill chunks too, as several 64-row tiles per sequence."""
+    if kv_fp8:
+        return FP8_TILE_MS[0]
     if not (isinstance(rows_per_sequence, int) and isinstance(heads_q, int) and isinstance(heads_kv, int)):
         return tile_m_for(1 << 30)
     return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1))
@@ -188,7 +192,7 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=True, kv_fp8=scales is not None, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
-                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2]),
+                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2], scales is not None),
                   page_rows=_page_rows(k_cache, paged), num_splits=num_splits or 0)
     q4 = jnp.asarray(q)[None]
     operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks, *(scales or ()))

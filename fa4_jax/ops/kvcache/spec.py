@@ -136,9 +136,9 @@ PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": (PAGE_ROWS,)}
 # dtype of the serving engines, so that the default build stays within its 15 minutes on 2 cores
 # (440 variants took 870-948 s with fp16 too; docs/PERF.md); an fp16 call takes cuDNN or the reference.
 DTYPES_BY_ARCH = {"sm90": DTYPES, "sm100": ("bf16",)}
-# FP8 caches (issue 17): Hopper decode tiles (tile_m 64; a chunk against an FP8 cache takes the
-# reference), at the head dims of the common models, so that the default build grows by 24 variants,
-# not 120. Other calls on FP8 caches run the exact reference (fa4_jax/ops/kvcache/api.py).
+# FP8 caches (issue 17): Hopper decode tiles (tile_m 64, which also serve prefill chunks as several
+# tiles per sequence: api._tile_m), at the head dims of the common models, so that the default build
+# grows by 24 variants, not 120. Other calls on FP8 caches run the exact reference (api.py).
 FP8_ARCHES = ("sm90",)
 FP8_TILE_MS = (TILE_M,)
 FP8_HEAD_DIMS = (64, 128)
