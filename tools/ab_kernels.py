@@ -12,7 +12,8 @@ caches and with lengths 37 short of a 128-key block (the tail a KV cache usually
 paged (page 64; pages 16 and 1 on full caches), and softcapped (cap 30) on full caches; a ragged step of 8 x 512-row
 causal prefill chunks on 2k-16k of context, page 64, with and without a softcap (back-to-back calls); varlen 8
 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not), hd64 1k causal, and
-hd128 / hd256 8k causal. Prints, per row, the median over rounds of each library's time and its ratio to the first library's.
+hd128 / hd256 8k causal; FP8 caches: decode hd128 1 x 32k and 8 x 32k, hd64 8 x 32k (contiguous and
+page 64) and the ragged chunk step on an FP8 page pool. Prints, per row, the median over rounds of each library's time and its ratio to the first library's.
 """
 
 from __future__ import annotations
@@ -104,6 +105,31 @@ def _child() -> dict:
             q, k, v, lens, cu_seqlens_q=cu, max_seqlen_q=chunk, page_table=t, causal=True, softcap=c,
             implementation="fa4"))
         timed(f"chunks 8x512 ragged paged64{name}", f, (qc, kp, vp, clens, kc, table))
+    kp_chunk, vp_chunk, chunk_table = kp, vp, table
+
+    # FP8 caches (per-head scales): decode at hd128 and hd64, contiguous and page 64, and the same
+    # ragged chunk step on an FP8 page pool (64-row tiles: the only FP8 tile).
+    from fa4_jax.ops.kvcache.quant import quantize
+
+    for hd, b, cap in [(128, 1, 32768), (128, 8, 32768), (64, 8, 32768)]:
+        ks = jax.random.split(jax.random.key(hd * b + cap), 3)
+        k_scale, v_scale = jnp.full((h_k,), 0.005, jnp.float32), jnp.full((h_k,), 0.006, jnp.float32)
+        q = normal(ks[0], (b, 1, h_q, hd))
+        k, v = quantize(normal(ks[1], (b, cap, h_k, hd)), k_scale), quantize(normal(ks[2], (b, cap, h_k, hd)), v_scale)
+        lens = jnp.full((b,), cap, jnp.int32)
+        f, reps = looped(lambda q, k, v, lens: fa4_jax.attention_with_kvcache(
+            q, k, v, lens, k_scale=k_scale, v_scale=v_scale, implementation="fa4"))
+        timed(f"fp8 decode hd{hd} {b}x{cap // 1024}k", f, (q, k, v, lens), reps)
+        kp, vp = (x.reshape(b * cap // 64, 64, h_k, hd) for x in (k, v))
+        table = jax.random.permutation(ks[0], b * cap // 64).reshape(b, cap // 64).astype(jnp.int32)
+        f, reps = looped(lambda q, k, v, lens, t: fa4_jax.attention_with_kvcache(
+            q, k, v, lens, page_table=t, k_scale=k_scale, v_scale=v_scale, implementation="fa4"))
+        timed(f"fp8 decode hd{hd} {b}x{cap // 1024}k paged64", f, (q, kp, vp, lens, table), reps)
+    kp8, vp8 = quantize(kp_chunk, k_scale), quantize(vp_chunk, v_scale)
+    f = jax.jit(lambda q, k, v, lens, cu, t: fa4_jax.attention_with_kvcache(
+        q, k, v, lens, cu_seqlens_q=cu, max_seqlen_q=chunk, page_table=t, causal=True, k_scale=k_scale,
+        v_scale=v_scale, implementation="fa4"))
+    timed("fp8 chunks 8x512 ragged paged64", f, (qc, kp8, vp8, clens, kc, chunk_table))
 
     lens = [2000, 1999, 2001, 1950, 2047, 2000, 1000, 3053]
     cu = jnp.asarray([0] + list(jnp.cumsum(jnp.asarray(lens))), jnp.int32)
