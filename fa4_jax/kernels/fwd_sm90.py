@@ -308,9 +308,9 @@ class FlashAttentionForwardSm90:
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency_kwargs())
 
     def residency_kwargs(self) -> dict:
-        """Launch options for registers bounded for cfg.launch_ctas CTAs per SM. With more than one, the all-shared-memory
-        carveout is stated (percent): the DSL would otherwise ask the device for its per-SM shared
-        memory at compile time, and the build runs GPU-blind."""
+        """Launch options: registers bounded for cfg.launch_ctas CTAs per SM. With more than one, the
+        all-shared-memory carveout is stated (percent): the DSL would otherwise ask the device for its
+        per-SM shared memory at compile time, and the build runs GPU-blind."""
         if self.cfg.launch_ctas == 1:
             return dict(min_blocks_per_mp=1)
         return dict(min_blocks_per_mp=self.cfg.launch_ctas, preferred_smem_carveout=100)
