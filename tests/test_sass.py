@@ -8,6 +8,8 @@ skip, so that CI (which installs the wheel) cannot go green without having looke
 
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import subprocess
@@ -93,6 +95,15 @@ def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     assert ops["HGMMA"] == ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
     (res,) = [r for k, r in kernel_resources(sm100_attention_obj).items() if "FlashAttentionForwardSm100" in k]
     assert res.get("frame", 0) == 0, res
+    # The role budgets are the configuration's (config_sm100): dense and varlen compile two Q tiles
+    # per CTA at head_dim <= 128 (softmax warpgroups at 208 registers), the KV cache one (248).
+    from fa4_jax.kernels.config_sm100 import sm100_fwd_config
+
+    symbol = sm100_attention_obj.stem
+    head_dim = int(symbol.split("_hd")[1].split("_")[0])
+    cfg = sm100_fwd_config(head_dim, packed_rows=128 if symbol in SM100_KVCACHE_SYMBOLS else None)
+    budgets = {int(m, 16) for m in re.findall(r"USETMAXREG\S*\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text)}
+    assert budgets == set(cfg.warpgroup_regs), (budgets, cfg)
     if sm100_attention_obj.stem in SM100_KVCACHE_SYMBOLS:
         # The load warp's cp.async gather of the pack-GQA Q rows, and the fused split merge's tile
         # counter; the same object holds the combine kernel for calls without counters.

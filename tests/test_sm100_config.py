@@ -118,13 +118,16 @@ def test_docs_table_is_the_generated_one():
 
 
 @pytest.mark.parametrize("hd", HEAD_DIMS)
-def test_the_kernels_rings_fit(hd):
-    # What fwd_sm100.py allocates today (one Q tile, a K ring and a V ring): within the operand budget,
-    # at least two stages per ring (a block's K and the next one's in flight).
-    cfg = sm100_fwd_config(hd, packed_rows=128)
+@pytest.mark.parametrize("rows", [None, 128], ids=["prefill", "kvcache"])
+def test_the_kernels_rings_fit(hd, rows):
+    # What fwd_sm100.py allocates today (the CTA's Q tiles, a K ring and a V ring) for the dense /
+    # varlen kernels (rows None) and the KV-cache ones: within the operand budget, at least two
+    # stages per ring (a block's K and the next one's in flight).
+    cfg = sm100_fwd_config(hd, packed_rows=rows)
     assert 2 <= cfg.ring_stages <= 4
-    assert cfg.kernel_smem_bytes <= SM100_TILE_SMEM_BYTES
+    assert cfg.kernel_smem_bytes == cfg.q_bytes + 2 * cfg.ring_stages * cfg.kv_tile_bytes <= SM100_TILE_SMEM_BYTES
     assert cfg.ring_stages == 4 or cfg.kernel_smem_bytes + 2 * cfg.kv_tile_bytes > SM100_TILE_SMEM_BYTES
+
 
 
 @pytest.mark.parametrize("num_m_blocks,heads,batch", [(1, 3, 2), (7, 2, 3), (16, 5, 1)])

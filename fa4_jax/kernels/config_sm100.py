@@ -169,16 +169,17 @@ class Sm100FwdConfig:
 
     @property
     def ring_stages(self) -> int:
-        """K/V stages of the kernel as it runs today (fwd_sm100.py, one Q tile per CTA): a K ring and a
-        V ring of this many tiles each, together what shared memory holds beside the Q tile (O leaves
-        from registers: no staging tile), capped at 4."""
-        q_bytes = self.tile_m * self.head_dim * 2
-        return min((SM100_TILE_SMEM_BYTES - q_bytes) // (2 * self.kv_tile_bytes), 4)
+        """K/V stages of the kernel as it runs today (fwd_sm100.py): a K ring and a V ring of this many
+        tiles each, together what shared memory holds beside the CTA's q_stage Q tiles (O leaves from
+        registers: no staging tile), capped at 4. Two Q tiles at head_dim 128 leave two per ring:
+        K_j, K_(j+1), V_j and V_(j+1) in flight, four tiles, where FlashAttention-4's shared ring
+        holds three beside its O staging."""
+        return min((SM100_TILE_SMEM_BYTES - self.q_bytes) // (2 * self.kv_tile_bytes), 4)
 
     @property
     def kernel_smem_bytes(self) -> int:
-        """The operand tiles the kernel allocates: one Q tile and the two rings."""
-        return self.tile_m * self.head_dim * 2 + 2 * self.ring_stages * self.kv_tile_bytes
+        """The operand tiles the kernel allocates: the Q tiles and the two rings."""
+        return self.q_bytes + 2 * self.ring_stages * self.kv_tile_bytes
 
     @property
     def tile_smem_bytes(self) -> int:
@@ -207,8 +208,12 @@ def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdC
     tile_n = 64 if head_dim > 128 else 128
     o_over_q = head_dim > 128
     if q_stage == 2:
-        # 16 warps, 128 registers each at launch: 2 x 192 + 80 + 48 = 4 x 128.
-        softmax, correction = 192, 80
+        # 16 warps, 128 registers each at launch: 2 x 208 + 56 + 40 = 4 x 128. The softmax threads
+        # hold a row of S (128 fp32 at tile_n 128) and a 16-column chunk of P; at 192 (FA4's budget)
+        # and 200 the masked block step of the varlen and softcap variants spilled. The correction
+        # threads use <= 48 (a 32-column chunk of O and its row's address), the MMA and load
+        # threads <= 34.
+        softmax, correction = 208, 56
     else:
         # 12 warps, 168 at launch (3 x 168 = 504): the softmax threads hold a row of S and its P
         # (192 values at tile_n 128: they spilled at 176, and with softcap at 240), the correction
@@ -218,7 +223,9 @@ def sm100_fwd_config(head_dim: int, packed_rows: int | None = None) -> Sm100FwdC
         - q_stage * softmax - correction
     # FMA-pipe exp2 pays where MUFU binds, head_dim <= 128 (T_exp >= T_mma, FA4_NOTES.md); the
     # starting fractions, to be tuned on hardware (tools/validate_sm100.py), sit in FA4's 10-25%.
-    fraction = {64: 0.25, 96: 0.1875, 128: 0.125}.get(head_dim, 0.0)
+    # hd64 takes 3 of 16 rather than 4: at 4 the emulation's temporaries pushed the causal and
+    # windowed block steps past the two-Q-tile softmax budget (an 8-byte spill).
+    fraction = {64: 0.1875, 96: 0.1875, 128: 0.125}.get(head_dim, 0.0)
     return Sm100FwdConfig(head_dim, q_stage, _kv_stages(head_dim, q_stage, tile_n, o_over_q), softmax, correction,
                           other, fraction, tile_n=tile_n, o_over_q=o_over_q)
 
@@ -247,21 +254,26 @@ HEAD_DIMS = (64, 96, 128, 192, 256)  # fa4_jax.ops.fwd.spec.HEAD_DIMS (not impor
 
 
 def resources_table() -> str:
-    """One row per head dim of the configuration every SM100 kernel compiles today (one Q tile per
-    CTA: sm100_fwd_config(head_dim, packed_rows=128))."""
+    """One row per configuration the kernels compile today, per head dim: the dense / varlen one
+    (sm100_fwd_config(head_dim): two Q tiles per CTA at head_dim <= 128) and the KV cache's
+    (packed_rows=128: one Q tile), merged where they are the same."""
     lines = [
-        "| head_dim | Q tile × K/V tile | K ring + V ring | operand smem (limit) | TMEM columns (alloc, limit) "
-        "| setmaxnreg: softmax / correction / MMA, load | FMA-pipe exp2 share |",
-        "|---|---|---|---|---|---|---|",
+        "| head_dim | kernels | Q tiles × rows, K/V tile | K ring + V ring | operand smem (limit) "
+        "| TMEM columns (alloc, limit) | setmaxnreg: softmax / correction / MMA, load | FMA-pipe exp2 share |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for hd in HEAD_DIMS:
-        cfg = sm100_fwd_config(hd, packed_rows=128)
-        lines.append(
-            f"| {hd} | {cfg.tile_m} × {cfg.tile_n} | {cfg.ring_stages} + {cfg.ring_stages} "
-            f"| {cfg.kernel_smem_bytes // 1024} KB ({SM100_TILE_SMEM_BYTES // 1024} KB) "
-            f"| {cfg.tmem_columns} ({cfg.tmem_alloc_columns}, {TMEM_COLUMNS}) "
-            f"| {cfg.softmax_regs} / {cfg.correction_regs} / {cfg.other_regs} "
-            f"| {cfg.exp2_fma_fraction:g} |")
+        prefill, cache = sm100_fwd_config(hd), sm100_fwd_config(hd, packed_rows=128)
+        rows = [("dense, varlen, KV cache", cache)] if prefill == cache else \
+            [("dense, varlen", prefill), ("KV cache", cache)]
+        for kernels, cfg in rows:
+            lines.append(
+                f"| {hd} | {kernels} | {cfg.q_stage} × {cfg.tile_m}, {cfg.tile_n} "
+                f"| {cfg.ring_stages} + {cfg.ring_stages} "
+                f"| {cfg.kernel_smem_bytes // 1024} KB ({SM100_TILE_SMEM_BYTES // 1024} KB) "
+                f"| {cfg.tmem_columns} ({cfg.tmem_alloc_columns}, {TMEM_COLUMNS}) "
+                f"| {cfg.softmax_regs} / {cfg.correction_regs} / {cfg.other_regs} "
+                f"| {cfg.exp2_fma_fraction:g} |")
     return "\n".join(lines)
 
 

@@ -29,8 +29,9 @@ def make_kernel(variant: FwdVariant):
         from fa4_jax.kernels.config_sm100 import sm100_fwd_config
         from fa4_jax.kernels.fwd_sm100 import FlashAttentionForwardSm100
 
-        # The first SM100 kernel runs one Q tile per CTA: the configuration of a <= 128-row tile.
-        cfg = sm100_fwd_config(variant.head_dim, packed_rows=128)
+        # Prefill: two 128-row Q tiles per CTA in ping-pong where Tensor Memory holds both O
+        # accumulators (head_dim <= 128), one past that (config_sm100.sm100_fwd_config).
+        cfg = sm100_fwd_config(variant.head_dim)
         return FlashAttentionForwardSm100(cfg, variant.mask, variant.softcap).call_dense
     raise NotImplementedError(f"no forward kernel for {variant.arch=} yet")
 

@@ -1,39 +1,45 @@
-"""FlashAttention forward for SM100 (Blackwell), first version (issue 16; WIP, compiled GPU-blind and
-never run: no Blackwell GPU is available to this project).
+"""FlashAttention forward for SM100 (Blackwell) (issue 16; compiled GPU-blind and never run: no
+Blackwell GPU is available to this project).
 
-The FlashAttention-4 structure (FA4_NOTES.md), with one 128-row Q tile per CTA (q_stage 1) for now:
+The FlashAttention-4 structure (FA4_NOTES.md). Dense and varlen prefill at head_dim <= 128 run two
+128-row Q tiles per CTA in ping-pong (q_stage 2, 16 warps); head_dim 192/256 and the KV cache one
+(q_stage 1, 12 warps). The roles (config_sm100.WARP_ROLES_BY_Q_STAGE):
 
-  (the warps of config_sm100.WARP_ROLES_BY_Q_STAGE[1])
-  warps 0-3   softmax warpgroup: thread t owns row t of the tile (TMEM lane t). Per key block it
-              loads its row of S from Tensor Memory, masks, updates the running max (kept stale
-              unless it grows by more than RESCALE_THRESHOLD_LOG2, config_sm100), exponentiates
-              (a share config_sm100.exp2_fma_fraction of each row on the FMA pipe, exp2_fma.py),
-              writes P (bf16/fp16) back over the upper half of the same S buffer, and hands the
-              row's O scale to the correction warpgroup.
-  warps 4-7   correction warpgroup: thread t rescales row t of O in Tensor Memory between two
-              P.V gemms (skipped by a warp whose 32 rows all kept their max), and at the end
-              divides by the row sum and stores O.
-  warp 8      MMA: one thread issues tcgen05.mma -- S_j = Q K_j^T into S[j % 2] while the softmax
-              works on S[(j - 1) % 2], then O += P_(j-1) V_(j-1) -- and tcgen05.commit for every
-              handoff.
-  warp 9      load: TMA of Q once, K_j and V_j into their rings.
-  warps 10-11 idle (the fourth warpgroup's budget, `other_regs`, covers warps 8-11).
+  softmax warpgroup t (warps 4t..4t+3), one per Q tile: thread i owns row i of tile t (TMEM lane
+              i). Per key block it loads its row of S from Tensor Memory, masks (bit masks over the
+              row, in a copy of the step of its own for the blocks that need them), updates the
+              running max (kept stale unless it grows by more than RESCALE_THRESHOLD_LOG2,
+              config_sm100), exponentiates (a share config_sm100.exp2_fma_fraction of each row on
+              the FMA pipe, exp2_fma.py), writes P (bf16/fp16) back over the upper half of the same
+              S buffer in 16-column chunks, and hands the row's O scale to the correction warpgroup.
+  correction warpgroup: thread i rescales row i of each tile's O in Tensor Memory between two P.V
+              gemms (skipped by a warp whose 32 rows all kept their max), and at the end divides by
+              the row sum and stores O.
+  MMA warp:   one thread issues tcgen05.mma and tcgen05.commit for every handoff. One Q tile:
+              S_j = Q K_j^T into S[j % 2] while the softmax works on S[(j - 1) % 2], then
+              O += P_(j-1) V_(j-1). Two: per key block, for t = 0, 1, O_t += P_t V_(j-1) then
+              S_t = Q_t K_j^T into S_t, so that one tile's softmax runs beside the other's gemms.
+  load warp:  TMA of Q (the second tile after the first K), K_j and V_j into their rings.
+  the rest idle at the smallest budget (`other_regs` covers the MMA / load warpgroup).
 
 Handoffs (mbarrier pipelines of cutlass.pipeline): Q, K, V (TMA -> UMMA); S (UMMA -> softmax, two
-buffers); P (softmax -> UMMA, two buffers); O (UMMA -> correction: a P.V gemm has completed, and the
-correction's release lets the next P.V gemm accumulate into the rescaled O); row scales (softmax ->
-correction, two slots in shared memory: N - 1 scales per tile, then the final 1 / row sum).
+buffers); P (softmax -> UMMA, two buffers); O (UMMA -> correction, a stage per Q tile: a P.V gemm has
+completed, and the correction's release lets the next P.V gemm accumulate into the rescaled O); row
+scales (softmax -> correction, two slots per Q tile in shared memory: N - 1 scales per tile, then
+the final 1 / row sum). With two Q tiles, softmax warpgroup t uses stage t of S and P and slots t,
+t + 2 of the scales (its states start at t and advance by two); the MMA warp and the correction
+warpgroup take the stages in turn. tests/test_sm100_handoffs.py runs these handoffs as a CPU model.
 
-The MMA warp issues P_(j-1) V_(j-1) before S_(j+1) = Q K_(j+1)^T into the same TMEM columns, and the
+The MMA warp issues the P.V gemm that reads a P before the Q K^T gemm that overwrites it, and the
 tensor core runs one thread's MMAs in order: so P in the upper half of S is read before it is
 overwritten, without a barrier.
 
 Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
 conventions (block_info.py, softmax.py). The family a kernel serves is its `FwdSeams` (seams.py), as
-for fwd_sm90: dense, varlen or KV cache. Not yet (the next steps, measured on hardware first): two Q
-tiles per CTA in ping-pong, tuning the FMA-pipe exp2's share (exp2_fma.py), persistent scheduling
-(causal and windowed tiles are launched longest first: config_sm100.tile_of_block), TMA store of O,
-one-row page pieces (page sizes that are not multiples of 16).
+for fwd_sm90: dense, varlen or KV cache. Not yet (the next steps, measured on hardware first): tuning
+the FMA-pipe exp2's share (exp2_fma.py), persistent scheduling (causal and windowed tiles are
+launched longest first: config_sm100.tile_of_block), TMA store of O, two Q tiles for KV-cache
+prefill chunks, one-row page pieces (page sizes that are not multiples of 16).
 
 Varlen (call_varlen, `varlen=True`): the same kernel on packed (total, h, d) tensors. A tile (m_block,
 head, sequence) reads its sequence's lengths from cu_seqlens (keys clamped to the sequence's own, as
@@ -84,6 +90,7 @@ from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig, tile_of_block
 from fa4_jax.kernels.exp2_fma import exp2_fma
+from fa4_jax.kernels.mask import mask_row_in_order
 from fa4_jax.kernels.loaders import PAGE_ROWS, KVLoader, gather_packed_q_warp, row_thread_layout
 from fa4_jax.kernels.seams import FwdSeams, KVLoad, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -93,17 +100,13 @@ from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
 from fa4_jax.kernels.utils import permute_modes, transpose_2d
 
 _LOG2E = 1.4426950408889634
-# The warps of one Q tile per CTA (config_sm100.WARP_ROLES_BY_Q_STAGE[1]).
-_ROLES = WARP_ROLES_BY_Q_STAGE[1]
-MMA_WARP = _ROLES["mma"][0]
-LOAD_WARP = _ROLES["load"][0]
-# The threads that touch Tensor Memory (allocation and free barriers): MMA, softmax, correction.
-_TMEM_THREADS = 32 * (1 + len(_ROLES["softmax0"]) + len(_ROLES["correction"]))
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1
 _BAR_TMEM_FREE = 2
 _BAR_EPILOGUE = 3  # KV cache: the correction warpgroup's split merge (split_epilogue)
-_CORRECTION_THREADS = 32 * len(_ROLES["correction"])
+# One warpgroup corrects (and stores) O whatever the Q tiles per CTA (config_sm100.WARP_ROLES_BY_Q_STAGE).
+_CORRECTION_THREADS = 32 * len(WARP_ROLES_BY_Q_STAGE[1]["correction"])
+assert all(len(r["correction"]) * 32 == _CORRECTION_THREADS for r in WARP_ROLES_BY_Q_STAGE.values())
 # Splits whose partials one correction warp holds at once in the fused merge: 16 (combine_sm90's
 # default at head_dim <= 128) spilled at the correction warpgroup's 152-168 registers.
 _MERGE_CHUNK = 8
@@ -128,14 +131,28 @@ def _tmem_base(tmem: TmemAllocator):
 class FlashAttentionForwardSm100:
     def __init__(self, cfg: Sm100FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None,
                  tile_rows: int | None = None, page_rows: int = PAGE_ROWS):
-        if cfg.q_stage != 1:
-            raise NotImplementedError("the first SM100 kernel runs one Q tile per CTA (q_stage 1)")
         if mask not in ("full", "causal", "local"):
             raise ValueError(f"unknown mask kind {mask=}")
         self.cfg = cfg
         self.mask = mask
         self.softcap = softcap
         self.seams = FwdSeams.dense() if seams is None else seams
+        if cfg.q_stage != 1 and self.seams.seqlens is Seqlens.CACHE:
+            # The KV-cache tiles are numbered as the handler's grid, workspace and tile counters count
+            # them (fwd_sm90's split scheduler): tile_m rows each, one tile per CTA.
+            raise NotImplementedError("the SM100 KV-cache kernel runs one Q tile per CTA (q_stage 1)")
+        # The warps' roles (config_sm100.WARP_ROLES_BY_Q_STAGE): with two Q tiles, softmax warpgroup t
+        # owns tile t; one correction warpgroup, one MMA warp and one load warp serve both.
+        roles = cfg.warp_roles
+        self.q_stage = cfg.q_stage
+        self.mma_warp = roles["mma"][0]
+        self.load_warp = roles["load"][0]
+        self.last_softmax_warp = roles[f"softmax{cfg.q_stage - 1}"][-1]
+        self.correction_warps = roles["correction"]
+        # The threads that touch Tensor Memory (allocation and free barriers): MMA, softmax, correction.
+        self.tmem_threads = 32 * (1 + 4 * cfg.q_stage + len(roles["correction"]))
+        # A CTA's query rows: q_stage tiles of tile_m (a dense / varlen m-block counts these).
+        self.cta_rows = cfg.q_stage * cfg.tile_m
         # Varlen (call_varlen): the same kernel on packed (total, h, d) tensors, each tile at its
         # sequence's offsets (as fwd_sm90.py's FwdSeams.varlen); see _varlen_seqlen.
         self.varlen = self.seams.seqlens is Seqlens.VARLEN
@@ -189,7 +206,7 @@ class FlashAttentionForwardSm100:
         mQ, mK, mO = [permute_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
         mVt = permute_modes(mV, [3, 1, 2, 0])
         mLSE = permute_modes(mLSE, [2, 1, 0])  # (s_q, h_q, b)
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.cfg.tile_m)
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.cta_rows)
         self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
                     mQ.shape[0], mK.shape[0], num_m_blocks, num_m_blocks * mQ.shape[2] * mQ.shape[3], None, None,
                     None, Int32(0), stream)
@@ -220,7 +237,7 @@ class FlashAttentionForwardSm100:
         # offset (domain_offset in `load`); LSE stays (h, t).
         mQ, mK, mO = [permute_modes(t, [0, 2, 1]) for t in (mQ, mK, mO)]
         mVt = permute_modes(mV, [2, 0, 1])
-        num_m_blocks = cute.ceil_div(max_seqlen_q, self.cfg.tile_m)
+        num_m_blocks = cute.ceil_div(max_seqlen_q, self.cta_rows)
         # b + 1 "batches": the last one writes the rows past cu_seqlens_q[b] (o = 0, lse = the sink).
         tiles = num_m_blocks * mQ.shape[2] * mCuSeqlensQ.shape[0]
         self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
@@ -329,7 +346,7 @@ class FlashAttentionForwardSm100:
 
         # P comes from Tensor Memory (the A operand), V from shared memory.
         tiled_mma_qk, tiled_mma_pv, mma_qk, mma_pv = self._tiled_mmas(dtype)
-        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_qk, dtype, 1)
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_qk, dtype, self.q_stage)
         sK_layout = sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_qk, dtype, self.stages)
         sV_layout = sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_pv, dtype, self.stages)
         tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_pv, dtype, 1)
@@ -400,18 +417,17 @@ class FlashAttentionForwardSm100:
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx = cute.arch.thread_idx()[0]
-        # A one-dimensional grid, m-blocks fastest: gridDim.y and .z stop at 65535, which heads x batch
-        # (vmap folds its axis into the batch) easily pass (as in tile_scheduler.py).
-        tile = cute.arch.block_idx()[0]
+        # Each role finds its tile itself (_cache_tile, _prefill_tile), after its setmaxnreg: values
+        # computed here would stay live into every role's branch, which spilled them (the MMA and
+        # load warps keep 48 registers with two Q tiles per CTA).
         cache_args = None
+        prefill_args = None
         if const_expr(self.cache):
-            # Each role finds its tile itself (_cache_tile), after its setmaxnreg: values computed
-            # here would stay live into every role's branch, which spilled them.
             cache_args = (mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mTileList, window_left, window_right, num_splits,
                           kv_len, num_m_blocks, ragged, n_listed, mSemaphores, qhead_per_kv, num_batch)
         else:
-            m_block, head, batch = tile_of_block(tile, num_m_blocks, mO.shape[2], self.mask != "full")
-            head_kv = head // qhead_per_kv
+            prefill_args = (mO, num_m_blocks, qhead_per_kv, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, seqlen_q,
+                            seqlen_k, window_left, window_right)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self._shared_storage())
@@ -420,7 +436,7 @@ class FlashAttentionForwardSm100:
         sK = smem.allocate_tensor(dtype, sK_layout.outer, 1024, sK_layout.inner)
         sV = smem.allocate_tensor(dtype, sV_layout.outer, 1024, sV_layout.inner)
 
-        if warp_idx == LOAD_WARP:
+        if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V):
                 if const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
@@ -442,100 +458,95 @@ class FlashAttentionForwardSm100:
             pipe_q = make(pipeline.PipelineAsyncUmma, 1, pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
                           mma_thread, storage.mbar_q, cta_layout_vmnk=cta)
         else:
-            pipe_q = tma_umma(1, mbar=storage.mbar_q, tx_count=self.q_bytes)
+            pipe_q = tma_umma(self.q_stage, mbar=storage.mbar_q, tx_count=self.q_bytes)
         pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
         pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
+        # S and P: two buffers -- one Q tile: S_j in S[j % 2] (the next block's scores computed while
+        # the softmax works on this one's); two Q tiles: S_t is tile t's, and only softmax
+        # warpgroup t waits on (or arrives at) stage t, so 128 threads is each stage's count either
+        # way. O: a stage per Q tile. Row scales: two slots per Q tile (tile t's are t, t + q_stage).
         pipe_s = make(pipeline.PipelineUmmaAsync, 2, mma_thread, wg_threads, storage.mbar_s, cta_layout_vmnk=cta)
         pipe_p = make(pipeline.PipelineAsyncUmma, 2, wg_threads, mma_thread, storage.mbar_p, cta_layout_vmnk=cta)
-        pipe_o = make(pipeline.PipelineUmmaAsync, 1, mma_thread, wg_threads, storage.mbar_o, cta_layout_vmnk=cta)
-        pipe_scale = make(pipeline.PipelineAsync, 2, wg_threads, wg_threads, storage.mbar_scale)
+        pipe_o = make(pipeline.PipelineUmmaAsync, self.q_stage, mma_thread, wg_threads, storage.mbar_o,
+                      cta_layout_vmnk=cta)
+        pipe_scale = make(pipeline.PipelineAsync, 2 * self.q_stage, wg_threads, wg_threads, storage.mbar_scale)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         # --- Tensor Memory: allocated by the MMA warp, its address read by every role that uses it.
         tmem = TmemAllocator(storage.tmem_holding.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
-                                                                        num_threads=_TMEM_THREADS))
-        if const_expr(not self.cache):
-            pad = False  # varlen: the pseudo-batch of the rows past cu_seqlens_q[b]
-            if const_expr(self.varlen):
-                seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
-            else:
-                seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
-            # The block ranges and masks need the lengths only; a varlen tile's offsets are read where
-            # they are used (the softmax's 248 registers per thread are all in use at head_dim 64-128
-            # with softcap: see the masking in `softmax`).
-            blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, SeqlenInfo(seqlen.seqlen_q, seqlen.seqlen_k),
-                                      window_left, window_right)
-            n_block_min, n_block_max = blocks.n_block_min_max(m_block)
-            n_blocks = cutlass.max(n_block_max - n_block_min, 0)
-            if m_block * cfg.tile_m >= seqlen.seqlen_q:
-                n_blocks = Int32(0)  # varlen: a tile past its sequence's rows (the grid follows max_seqlen_q)
-
+                                                                        num_threads=self.tmem_threads))
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
         s_acc = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
         o_acc = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
         tmap = cfg.tmem_map
-        sScale = storage.row_scale.get_tensor(cute.make_layout((128, 2)))  # (row, slot) softmax -> correction
+        # (row, slot) softmax -> correction; tile t's slots are t and t + q_stage (pipe_scale)
+        sScale = storage.row_scale.get_tensor(cute.make_layout((128, 2 * self.q_stage)))
         sLse = None
         if const_expr(self.cache):
             sLse = storage.row_lse.get_tensor(cute.make_layout(128))  # the final LSE, softmax -> correction
 
-        if warp_idx == LOAD_WARP:
+        if warp_idx == self.load_warp:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             if const_expr(self.cache):
                 self.load_cache(cache_args, mVt, sQ, sK, sV, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v)
             else:
+                m_block, head, head_kv, batch, seqlen, _, _, n_block_min, n_blocks = self._prefill_tile(*prefill_args)
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
                           pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen)
-        elif warp_idx == MMA_WARP:
+        elif warp_idx == self.mma_warp:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             tmem.allocate(cfg.tmem_alloc_columns)
             base = _tmem_base(tmem)
             tmem.relinquish_alloc_permit()
             tS0 = cute.make_tensor(base + tmap["S0"][0], s_acc.layout)
             tO = cute.make_tensor(base + tmap["O0"][0], o_acc.layout)
+            o_step = tmap["O1"][0] - tmap["O0"][0] if const_expr(self.q_stage == 2) else 0
             # P as the P.V gemm's A operand in TMEM; its iterator counts P elements, two per column.
             tP = thr_pv.make_fragment_A(cute.make_tensor(base, tP_layout.outer))[None, None, None, 0]
             per_col = Float32.width // mO.element_type.width
             tP0 = cute.make_tensor(tP.iterator + per_col * tmap["P0"][0], tP.layout)
             p_step = per_col * (tmap["P1"][0] - tmap["P0"][0])
             s_step = tmap["S1"][0] - tmap["S0"][0]
-            mma_args = (tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, tP0, p_step, pipe_q, pipe_k, pipe_v,
-                        pipe_s, pipe_p, pipe_o)
+            mma_args = (tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, o_step, tP0, p_step, pipe_q, pipe_k,
+                        pipe_v, pipe_s, pipe_p, pipe_o)
             if const_expr(self.cache):
                 self._mma_cache(cache_args, mma_args, thr_qk, thr_pv)
             else:
+                _, _, _, _, seqlen, _, _, n_block_min, n_blocks = self._prefill_tile(*prefill_args)
                 self.mma(*mma_args, n_blocks, thr_qk, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * cfg.tile_n)
             # Every role is done with Tensor Memory before it is freed.
             _tcgen05_fence_before()
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
             _tcgen05_fence_after()
             tmem.free(base)
-        elif warp_idx <= _ROLES["softmax0"][-1]:
+        elif warp_idx <= self.last_softmax_warp:
             cute.arch.setmaxregister_increase(cfg.softmax_regs)
             if const_expr(self.cache):
                 self._softmax_cache(cache_args, _tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE,
                                     mSinks, softmax_scale_log2, softcap_prescale, tidx, sLse)
             else:
+                m_block, head, _, batch, _, pad, blocks, n_block_min, n_blocks = self._prefill_tile(*prefill_args)
                 self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks,
                              softmax_scale_log2, softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks,
                              tidx, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch)
             _tcgen05_fence_before()
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
-        elif warp_idx <= _ROLES["correction"][-1]:
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
+        elif warp_idx <= self.correction_warps[-1]:
             cute.arch.setmaxregister_decrease(cfg.correction_regs)
-            ctidx = tidx - 32 * _ROLES["correction"][0]
+            ctidx = tidx - 32 * self.correction_warps[0]
             if const_expr(self.cache):
                 self._correction_cache(cache_args, _tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, mLSE,
                                        mOaccum, mLSEaccum, mSinks, sLse, storage.merge_flag.get_tensor(cute.make_layout(1)),
                                        ctidx)
             else:
+                m_block, head, _, batch, seqlen, pad, _, _, n_blocks = self._prefill_tile(*prefill_args)
                 self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen,
                                 n_blocks, ctidx, pad, num_m_blocks)
                 _tcgen05_fence_before()
-                cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+                cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
         else:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
 
@@ -545,19 +556,48 @@ class FlashAttentionForwardSm100:
         O, and the split merge's verdict."""
         mbar = cutlass.Int64
         fields = dict(
-            mbar_q=cute.struct.MemRange[mbar, 2],
+            mbar_q=cute.struct.MemRange[mbar, 2 * self.q_stage],
             mbar_k=cute.struct.MemRange[mbar, 2 * self.stages],
             mbar_v=cute.struct.MemRange[mbar, 2 * self.stages],
             mbar_s=cute.struct.MemRange[mbar, 4],
             mbar_p=cute.struct.MemRange[mbar, 4],
-            mbar_o=cute.struct.MemRange[mbar, 2],
-            mbar_scale=cute.struct.MemRange[mbar, 4],
+            mbar_o=cute.struct.MemRange[mbar, 2 * self.q_stage],
+            mbar_scale=cute.struct.MemRange[mbar, 4 * self.q_stage],
             tmem_holding=Int32,
-            row_scale=cute.struct.MemRange[Float32, 2 * 128],
+            row_scale=cute.struct.MemRange[Float32, 2 * self.q_stage * 128],
         )
         if self.cache:
             fields.update(row_lse=cute.struct.MemRange[Float32, 128], merge_flag=cute.struct.MemRange[Int32, 1])
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def _prefill_tile(self, mO, num_m_blocks, qhead_per_kv, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, seqlen_q,
+                      seqlen_k, window_left, window_right):
+        """Dense / varlen: this CTA's tile and what its roles need of it, (m_block, head, head_kv,
+        batch, seqlen, pad, blocks, n_block_min, n_blocks). A one-dimensional grid, m-blocks
+        fastest (tile_of_block): gridDim.y and .z stop at 65535, which heads x batch (vmap folds its
+        axis into the batch) easily pass. m_block counts the CTA's q_stage tiles of rows; its key
+        blocks cover all of them (a row that sees none of a block's keys gets P = 0 there), and
+        `blocks` (128-row tiles) gives each softmax warpgroup its own masks. pad: the varlen
+        pseudo-batch of the rows past cu_seqlens_q[b]; n_blocks is 0 for a tile past its sequence's
+        rows (a varlen grid follows max_seqlen_q)."""
+        cfg = self.cfg
+        m_block, head, batch = tile_of_block(cute.arch.block_idx()[0], num_m_blocks, mO.shape[2], self.mask != "full")
+        pad = False
+        if const_expr(self.varlen):
+            seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
+        else:
+            seqlen = SeqlenInfo.dense(seqlen_q, seqlen_k)
+        # The block ranges and masks need the lengths only; a varlen tile's offsets are read where
+        # they are used (see the masking in `softmax`).
+        lengths = SeqlenInfo(seqlen.seqlen_q, seqlen.seqlen_k)
+        n_block_min, n_block_max = BlockInfo.create(self.cta_rows, cfg.tile_n, self.mask, lengths, window_left,
+                                                    window_right).n_block_min_max(m_block)
+        blocks = BlockInfo.create(cfg.tile_m, cfg.tile_n, self.mask, lengths, window_left, window_right)
+        n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+        if m_block * self.cta_rows >= seqlen.seqlen_q:
+            n_blocks = Int32(0)
+        return m_block, head, head // qhead_per_kv, batch, seqlen, pad, blocks, n_block_min, n_blocks
 
     @cute.jit
     def _cache_tile(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mTileList, window_left, window_right, num_splits,
@@ -595,7 +635,8 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
              pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen: SeqlenInfo):
-        """Q once, then K_j and V_j from the highest block down (the order the MMA warp uses them).
+        """Q once, then K_j and V_j from the highest block down (the order the MMA warp uses them); a
+        second Q tile between the first K and V, so that S_0 = Q_0 K^T can start before it lands.
         Varlen: the boxes start at the sequence's offsets; a box may run into the next sequence's
         rows, which only feed masked scores (K), zeroed rows (V, see `mma`) or rows not stored (Q)."""
         cfg = self.cfg
@@ -605,26 +646,33 @@ class FlashAttentionForwardSm100:
             mVh = cute.domain_offset((0, seqlen.offset_k), mVt[None, None, head_kv])
         else:
             mQh, mKh, mVh = mQ[None, None, head, batch], mK[None, None, head_kv, batch], mVt[None, None, head_kv, batch]
-        gQ = cute.local_tile(mQh, (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gQ = cute.local_tile(mQh, (cfg.tile_m, cfg.head_dim), (None, 0))  # every 128-row tile
         gK = cute.local_tile(mKh, (cfg.tile_n, cfg.head_dim), (None, 0))
         gV = cute.local_tile(mVh, (cfg.head_dim, cfg.tile_n), (0, None))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(thr_qk.partition_A(gQ), 0, 3))
+        m_tile = m_block * self.q_stage  # the CTA's first 128-row tile
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
                                            cute.group_modes(thr_qk.partition_B(gK), 0, 3))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
                                            cute.group_modes(thr_pv.partition_B(gV), 0, 3))
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         if n_blocks > 0:
             pipe_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            cute.copy(tma_atom_Q, tQgQ[None, m_tile], tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
             for i in cutlass.range(n_blocks, unroll=1):
                 n_block = n_block_min + n_blocks - 1 - i
                 pipe_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                if const_expr(self.q_stage == 2):
+                    if i == 0:
+                        pipe_q.producer_acquire(q_state)
+                        cute.copy(tma_atom_Q, tQgQ[None, m_tile + 1], tQsQ[None, 1],
+                                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 pipe_v.producer_acquire(kv_state)
                 cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
@@ -651,7 +699,7 @@ class FlashAttentionForwardSm100:
         self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, work.m_block, work.head, work.batch, seqlen,
                         n_blocks, tidx, pad, problem.num_m_blocks, mOaccum, work, problem)
         _tcgen05_fence_before()
-        cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=_TMEM_THREADS)
+        cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
         # After the TMEM handoff (nothing here reads Tensor Memory): the tile's LSE, the padding rows
         # of a ragged batch, the fused split merge.
         self.cache_epilogue(mO, mLSE, mOaccum, mLSEaccum, mSinks, sLse, sMergeFlag, tidx, work, seqlen, problem,
@@ -709,20 +757,19 @@ class FlashAttentionForwardSm100:
         return tiled_mma_qk.make_fragment_A(sQ), tiled_mma_qk.make_fragment_B(sK), tiled_mma_pv.make_fragment_B(sV)
 
     @cute.jit
-    def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO, tP0,
-            p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv,
-            keys_in_first):
+    def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO,
+            o_step: cutlass.Constexpr[int], tP0, p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p,
+            pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first):
         """One thread issues every gemm of the tile: S_j = Q K_j^T into S[j % 2], then
         O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O.
         `keys_in_first`: the sequence's keys in the first (highest) block; varlen and the KV cache
-        zero V's rows past them before that block's P.V gemm."""
+        zero V's rows past them before that block's P.V gemm. Two Q tiles per CTA: mma_two_tiles."""
+        if const_expr(self.q_stage == 2):
+            self.mma_two_tiles(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, o_step, tP0, p_step, pipe_q,
+                               pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first)
+            return
         tSrQ, tSrK, tOrV = self._mma_operands(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state, kv_state, v_state, s_state, p_state, o_state = self._mma_states()
         if n_blocks > 0:
             pipe_q.consumer_wait(q_state)
             for j in cutlass.range(n_blocks + 1, unroll=1):
@@ -761,6 +808,75 @@ class FlashAttentionForwardSm100:
                     o_state.advance()
                     v_state.advance()
                     p_state.advance()
+
+    def _mma_states(self):
+        """The MMA warp's pipeline states, in the usual order (every stage in turn): (Q, K, V, S, P,
+        O); Q and O have a stage per Q tile, S and P two."""
+        consumer, producer = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
+        return (pipeline.make_pipeline_state(consumer, self.q_stage),
+                pipeline.make_pipeline_state(consumer, self.stages),
+                pipeline.make_pipeline_state(consumer, self.stages),
+                pipeline.make_pipeline_state(producer, 2),
+                pipeline.make_pipeline_state(consumer, 2),
+                pipeline.make_pipeline_state(producer, self.q_stage))
+
+    @cute.jit
+    def mma_two_tiles(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO,
+                      o_step: cutlass.Constexpr[int], tP0, p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v,
+                      pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first):
+        """Two Q tiles in ping-pong (FlashAttention-4's order): per key block j, for t = 0, 1,
+        O_t (+)= P_t V_(j-1) and then S_t = Q_t K_j^T. While softmax warpgroup 0 works on S_0 the
+        tensor core computes tile 1's gemms, and the other way round. P_t lives in the upper half of
+        S_t: the P.V gemm that reads it is issued before the Q K^T gemm that overwrites it, and one
+        thread's tcgen05.mma run in order. Each K and V tile serves both Q tiles before its release."""
+        tSrQ, tSrK, tOrV = self._mma_operands(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV)
+        # An MMA object per tile and gemm: _gemm sets its accumulate field inside the elected
+        # thread's branch, and a value set in one branch cannot feed another branch's gemm.
+        mmas = [self._tiled_mmas(self.dtype)[:2] for _ in range(2)]
+        # S, P, O: stage t is tile t's, used in turn (0, 1, 0, ...): the usual state order.
+        q_state, kv_state, v_state, s_state, p_state, o_state = self._mma_states()
+        if n_blocks > 0:
+            for j in cutlass.range(n_blocks + 1, unroll=1):
+                if j < n_blocks:
+                    pipe_k.consumer_wait(kv_state)
+                if j > 0:
+                    pipe_v.consumer_wait(v_state)
+                    if const_expr(self.seams.keys_past_end):
+                        if j == 1 and keys_in_first < self.cfg.tile_n:
+                            self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
+                for t in cutlass.range_constexpr(2):
+                    if j > 0:
+                        # O_t (+)= P_t V_(j-1), once softmax t wrote P_t and the correction released
+                        # O_t (rescaled, when the max moved).
+                        pipe_p.consumer_wait(p_state)
+                        pipe_o.producer_acquire(o_state)
+                        with cute.arch.elect_one():
+                            self._gemm(mmas[t][1], self._stage(tO, o_step, t), self._stage(tP0, p_step, t),
+                                       tOrV[None, None, None, v_state.index], accumulate=j > 1)
+                        pipe_p.consumer_release(p_state)
+                        if const_expr(t == 1):
+                            # V_(j-1) served both tiles. Released before O_1's commit: commits land in
+                            # issue order, so the kernel's last arrive is one the correction waits for.
+                            pipe_v.consumer_release(v_state)
+                            v_state.advance()
+                        pipe_o.producer_commit(o_state)
+                        o_state.advance()
+                        p_state.advance()
+                    if j < n_blocks:
+                        if j == 0:
+                            pipe_q.consumer_wait(q_state)  # Q_t (Q_1 is loaded after the first K)
+                            q_state.advance()
+                        # S_t = Q_t K_j^T (S_t free: softmax t read it before writing P_t, which the
+                        # P.V gemm above waited for).
+                        pipe_s.producer_acquire(s_state)
+                        with cute.arch.elect_one():
+                            self._gemm(mmas[t][0], self._stage(tS0, s_step, t), tSrQ[None, None, None, t],
+                                       tSrK[None, None, None, kv_state.index])
+                        if const_expr(t == 1):
+                            pipe_k.consumer_release(kv_state)
+                            kv_state.advance()
+                        pipe_s.producer_commit(s_state)
+                        s_state.advance()
 
     @cute.jit
     def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch):
@@ -827,6 +943,15 @@ class FlashAttentionForwardSm100:
         cute.arch.fence_view_async_shared()
         cute.arch.sync_warp()
 
+    def _tile_state(self, stages: int, t, producer: bool):
+        """A softmax warpgroup's pipeline state: one Q tile, the usual one (every stage in turn); two,
+        tile t's stages only -- it starts at stage t and its users advance it by q_stage (stage t
+        again, or t + 2 of the row scales' four, the phase flipping on each wrap)."""
+        kind = pipeline.PipelineUserType.Producer if producer else pipeline.PipelineUserType.Consumer
+        if const_expr(self.q_stage == 1):
+            return pipeline.make_pipeline_state(kind, stages)
+        return pipeline.PipelineState(stages, Int32(0), Int32(t), Int32(1 if producer else 0))
+
     @staticmethod
     def _stage(t0, step: int, stage):
         """Buffer `stage` (runtime) of two same-layout TMEM buffers `step` elements apart: by address,
@@ -845,7 +970,9 @@ class FlashAttentionForwardSm100:
     def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
                 softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad, num_m_blocks,
                 mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, sLse=None, num_splits=None):
-        """Thread tidx owns row tidx: its scores come from TMEM lane tidx. `pad`: the tile belongs to
+        """Thread tidx owns row tidx % 128 of Q tile tidx // 128 (softmax warpgroup t, tile t, with two
+        Q tiles per CTA; one tile: tile 0, S_j in S[j % 2]): its scores come from TMEM lane tidx % 128
+        of the tile's S buffer. `pad`: the tile belongs to
         the varlen padding pseudo-batch (_pad_stride). Varlen: the tile's row offset is read again
         at the end, for the LSE store (_varlen_seqlen). KV cache: the row is a pack-GQA row of KV head
         `head` (its query is row // qhead_per_kv, for the masks; its q-head's sink joins here only
@@ -853,110 +980,62 @@ class FlashAttentionForwardSm100:
         cfg = self.cfg
         tmap = cfg.tmem_map
         dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
+        # Two Q tiles: this warpgroup's tile t (runtime: one copy of the code serves both) owns S_t, P_t
+        # and the row-scale slots t, t + 2; its pipeline states start at stage t and step by q_stage.
+        t = tidx // cfg.tile_m if const_expr(self.q_stage == 2) else 0
+        if const_expr(self.q_stage == 2):
+            tidx = tidx % cfg.tile_m
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
-        st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x32), Float32)
         tS0 = cute.make_tensor(base + tmap["S0"][0], s_acc.layout)[((None, None), 0, 0)]
         s_step = tmap["S1"][0] - tmap["S0"][0]
         cS = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
         t2r = tcgen05.make_tmem_copy(ld_atom, tS0).get_slice(tidx)
         tScS = t2r.partition_D(cS)
-        # P_i: tile_n bf16 per row packed two to a 32-bit column, the upper half of S_i.
-        p_cols = cfg.tile_n // 2
-        tPt0 = cute.make_tensor(base + tmap["P0"][0], cute.composition(tS0.layout, cute.make_layout((128, p_cols))))
+        if const_expr([tScS[i][1] for i in range(cute.size(tScS))] != list(range(cfg.tile_n))):
+            raise ValueError("the softmax expects its row of S in column order (mask_row_in_order, P's stores)")
+        # P_i: tile_n bf16 per row packed two to a 32-bit column, the upper half of S_i, stored in
+        # chunks of 16 columns (32 P values) as they are computed: each chunk's scores are dead once
+        # stored, so a row of S and one chunk of P are live at a time (the whole row's P beside S
+        # took ~192 registers, past two Q tiles' softmax budget).
+        p_chunk = 16
+        st_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition.x16), Float32)
+        tPt0 = cute.make_tensor(base + tmap["P0"][0], cute.composition(tS0.layout, cute.make_layout((128, p_chunk))))
         r2t = tcgen05.make_tmem_copy(st_atom, tPt0).get_slice(tidx)
-        tPr_shape = cute.make_layout(r2t.partition_S(cute.make_identity_tensor((cfg.tile_m, p_cols))).shape)
+        tPr_shape = cute.make_layout(r2t.partition_S(cute.make_identity_tensor((cfg.tile_m, p_chunk))).shape)
         row_max = -Float32.inf
         row_sum = Float32(0.0)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-        row = m_block * self.tile_rows + tidx
+        s_state = self._tile_state(2, t, producer=False)
+        p_state = self._tile_state(2, t, producer=True)
+        sc_state = self._tile_state(2 * self.q_stage, t, producer=True)
+        # The tile's m-block in 128-row units (its masks' edges are its own, tighter than the CTA's).
+        m_tile = m_block * self.q_stage + t
+        row = m_tile * self.tile_rows + tidx
         fma_per_16 = round(cfg.exp2_fma_fraction * 16)  # config_sm100: e.g. 2 of 16 at hd128
         n_block_max = n_block_min + n_blocks
-        n_block_right = blocks.n_block_right(m_block) if const_expr(blocks.has_right_edge) else n_block_max
-        n_block_left = blocks.n_block_left(m_block) if const_expr(blocks.has_left_edge) else n_block_min
+        n_block_right = blocks.n_block_right(m_tile) if const_expr(blocks.has_right_edge) else n_block_max
+        n_block_left = blocks.n_block_left(m_tile) if const_expr(blocks.has_left_edge) else n_block_min
+        # Tensors and values every block step uses (_softmax_block).
+        step = (t2r, tS0, s_step, tScS, r2t, tPt0, tPr_shape, p_chunk, pipe_s, pipe_p, pipe_scale, sScale,
+                softmax_scale_log2, softcap_prescale, blocks, row, tidx, fma_per_16, mCuSeqlensQ, mCuSeqlensK,
+                mSequsedK, num_batch, mLSE, batch)
         for j in cutlass.range(n_blocks, unroll=1):
             n_block = n_block_min + n_blocks - 1 - j
-            stage = j % 2
-            pipe_s.consumer_wait(s_state)
-            _tcgen05_fence_after()
-            tSrc = t2r.partition_S(self._stage(tS0, s_step, stage))
-            rS = cute.make_rmem_tensor(tScS.shape, Float32)
-            cute.copy(t2r, tSrc, rS)
-            cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
-            if const_expr(self.softcap):
-                OnlineSoftmax.softcap(rS, softcap_prescale)
             # Masks, in the blocks that need them (block_info.py): the sequence's last block (keys
             # past seqlen_k), and with a window the blocks its right (causal: the diagonal) or
-            # left edge crosses; bottom-right aligned, as everywhere in this library.
+            # left edge crosses; bottom-right aligned, as everywhere in this library. A copy of the
+            # step per case: a masking branch inside one step was if-converted by ptxas into
+            # predicated copies of the row, which spilled at two Q tiles' 200 registers.
             need_mask = n_block == n_block_max - 1
             if const_expr(blocks.has_right_edge):
                 need_mask = need_mask or n_block >= n_block_right
             if const_expr(blocks.has_left_edge):
                 need_mask = need_mask or n_block < n_block_left
             if need_mask:
-                mb = blocks
-                if const_expr(self.varlen):
-                    # The lengths again (L1 hits), rather than kept live through the loop: the 248
-                    # registers per softmax thread are all in use at head_dim 64-128 with softcap
-                    # (kept, they spilled 8-64 bytes; the dense kernel reads them as parameters).
-                    fresh, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1],
-                                                   batch)
-                    mb = dataclasses.replace(blocks, seqlen=fresh)
-                col0 = n_block * cfg.tile_n
-                hi = mb.seqlen.seqlen_k - col0
-                lo = Int32(0)
-                if const_expr(blocks.has_right_edge):
-                    diag = mb.query_of_row(row) + mb.diag_offset() - col0
-                    hi = cutlass.min(hi, diag + mb.window_right + 1)
-                    if const_expr(blocks.has_left_edge):
-                        lo = diag - mb.window_left
-                for i in cutlass.range_constexpr(cute.size(rS)):
-                    col = tScS[i][1]
-                    if const_expr(blocks.has_left_edge):
-                        if col >= hi or col < lo:
-                            rS[i] = -Float32.inf
-                    elif col >= hi:
-                        rS[i] = -Float32.inf
-            block_max = rS[0]
-            for i in cutlass.range_constexpr(1, cute.size(rS)):
-                block_max = cute.arch.fmax(block_max, rS[i])
-            # Conditional rescaling: keep the stale max unless it grows by more than the threshold.
-            new_max = row_max
-            if row_max == -Float32.inf or (block_max - row_max) * softmax_scale_log2 > RESCALE_THRESHOLD_LOG2:
-                new_max = block_max
-            scale = Float32(1.0)
-            if new_max != row_max:
-                scale = 0.0 if row_max == -Float32.inf else cute.math.exp2((row_max - new_max) * softmax_scale_log2,
-                                                                          fastmath=True)
-            row_max = new_max
-            max_scaled = 0.0 if row_max == -Float32.inf else row_max * softmax_scale_log2
-            rP = cute.make_rmem_tensor(tScS.shape, dtype_p)
-            block_sum = Float32(0.0)
-            for i in cutlass.range_constexpr(cute.size(rS)):
-                x = rS[i] * softmax_scale_log2 - max_scaled
-                # A fixed share of each row's exponentials on the FMA pipe, the rest on MUFU.
-                p = exp2_fma(x) if const_expr(i % 16 < fma_per_16) else cute.math.exp2(x, fastmath=True)
-                block_sum += p
-                rP[i] = p.to(dtype_p)
-            row_sum = row_sum * scale + block_sum
-            pipe_s.consumer_release(s_state)
-            s_state.advance()
-            # P over the upper half of S_(j % 2), as 32-bit pairs.
-            pipe_p.producer_acquire(p_state)
-            # rP holds the row's P in column order (tScS), so its 32-bit pairs are P's packed
-            # columns in order, which is the register side of the 32x32b store.
-            rP32 = cute.make_tensor(cute.recast_tensor(rP, Float32).iterator, tPr_shape)
-            cute.copy(r2t, rP32, r2t.partition_D(self._stage(tPt0, s_step, stage)))
-            cute.arch.fence_view_async_tmem_store()
-            pipe_p.producer_commit(p_state)
-            p_state.advance()
-            if j > 0:
-                # O's scale for this step, to the correction thread of the same row.
-                pipe_scale.producer_acquire(sc_state)
-                sScale[tidx, sc_state.index] = scale
-                pipe_scale.producer_commit(sc_state)
-                sc_state.advance()
+                row_max, row_sum, s_state, p_state, sc_state = self._softmax_block(
+                    True, j, n_block, row_max, row_sum, s_state, p_state, sc_state, *step)
+            else:
+                row_max, row_sum, s_state, p_state, sc_state = self._softmax_block(
+                    False, j, n_block, row_max, row_sum, s_state, p_state, sc_state, *step)
         # The final entry: 1 / row sum, sinks included (a sink adds exp(sink) to the denominator).
         if const_expr(self.cache):
             # Splits leave the sinks to the merge (a split must not count them).
@@ -984,6 +1063,95 @@ class FlashAttentionForwardSm100:
                                  mSequsedK, num_batch)
 
     @cute.jit
+    def _softmax_block(self, masked: cutlass.Constexpr[bool], j, n_block, row_max, row_sum, s_state, p_state, sc_state,
+                       t2r, tS0, s_step: cutlass.Constexpr[int], tScS, r2t, tPt0, tPr_shape, p_chunk: cutlass.Constexpr[int],
+                       pipe_s, pipe_p, pipe_scale, sScale, softmax_scale_log2, softcap_prescale, blocks, row, tidx,
+                       fma_per_16: cutlass.Constexpr[int], mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE,
+                       batch):
+        """One key block of the softmax (see `softmax`): S from Tensor Memory, softcap, the masks if
+        `masked`, the running max (conditional rescaling), P into Tensor Memory in chunks, the row
+        sum, O's scale to the correction warpgroup. Returns the loop's state; the pipeline states
+        are advanced on clones, as the caller's branches must each yield their own."""
+        cfg = self.cfg
+        s_state, p_state, sc_state = s_state.clone(), p_state.clone(), sc_state.clone()
+        dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
+        hi, lo = Int32(0), Int32(0)
+        if const_expr(masked):
+            # This block's bounds, before S arrives: only they stay live beside the row of scores.
+            mb = blocks
+            if const_expr(self.varlen):
+                # The lengths again (L1 hits), rather than kept live through the loop: the softmax
+                # threads' registers are all in use at head_dim 64-128 (kept, they spilled 8-64
+                # bytes; the dense kernel reads them as parameters).
+                fresh, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1], batch)
+                mb = dataclasses.replace(blocks, seqlen=fresh)
+            col0 = n_block * cfg.tile_n
+            hi = mb.seqlen.seqlen_k - col0
+            if const_expr(blocks.has_right_edge):
+                diag = mb.query_of_row(row) + mb.diag_offset() - col0
+                hi = cutlass.min(hi, diag + mb.window_right + 1)
+                if const_expr(blocks.has_left_edge):
+                    lo = diag - mb.window_left
+        stage = s_state.index  # j % 2 with one Q tile, t with two
+        pipe_s.consumer_wait(s_state)
+        _tcgen05_fence_after()
+        tSrc = t2r.partition_S(self._stage(tS0, s_step, stage))
+        rS = cute.make_rmem_tensor(tScS.shape, Float32)
+        cute.copy(t2r, tSrc, rS)
+        cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
+        if const_expr(self.softcap):
+            OnlineSoftmax.softcap(rS, softcap_prescale)
+        if const_expr(masked):
+            # Register i is column i (checked in `softmax`): one bit mask per 32 columns, no
+            # compare per score (a branch per score became ~60 selects per score in SASS).
+            mask_row_in_order(rS, hi, lo, blocks.has_left_edge)
+        block_max = rS[0]
+        for i in cutlass.range_constexpr(1, cute.size(rS)):
+            block_max = cute.arch.fmax(block_max, rS[i])
+        # Conditional rescaling: keep the stale max unless it grows by more than the threshold.
+        new_max = row_max
+        if row_max == -Float32.inf or (block_max - row_max) * softmax_scale_log2 > RESCALE_THRESHOLD_LOG2:
+            new_max = block_max
+        scale = Float32(1.0)
+        if new_max != row_max:
+            scale = 0.0 if row_max == -Float32.inf else cute.math.exp2((row_max - new_max) * softmax_scale_log2,
+                                                                      fastmath=True)
+        row_max = new_max
+        max_scaled = 0.0 if row_max == -Float32.inf else row_max * softmax_scale_log2
+        # S is in registers (tcgen05.wait::ld above): its buffer may take P now.
+        pipe_s.consumer_release(s_state)
+        s_state.advance(self.q_stage)
+        # P over the upper half of S_(j % 2) (two Q tiles: of S_t), as 32-bit pairs.
+        pipe_p.producer_acquire(p_state)
+        tPdst = self._stage(tPt0, s_step, stage)
+        block_sum = Float32(0.0)
+        per_chunk = 2 * p_chunk
+        for c in cutlass.range_constexpr(cute.size(rS) // per_chunk):
+            rP = cute.make_rmem_tensor(per_chunk, dtype_p)
+            for k in cutlass.range_constexpr(per_chunk):
+                i = c * per_chunk + k
+                x = rS[i] * softmax_scale_log2 - max_scaled
+                # A fixed share of each row's exponentials on the FMA pipe, the rest on MUFU.
+                p = exp2_fma(x) if const_expr(i % 16 < fma_per_16) else cute.math.exp2(x, fastmath=True)
+                block_sum += p
+                rP[k] = p.to(dtype_p)
+            # rS holds the row in column order (tScS), so rP's 32-bit pairs are P's packed
+            # columns [c * p_chunk, (c + 1) * p_chunk) in order: the register side of the store.
+            rP32 = cute.make_tensor(cute.recast_tensor(rP, Float32).iterator, tPr_shape)
+            cute.copy(r2t, rP32, r2t.partition_D(cute.make_tensor(tPdst.iterator + c * p_chunk, tPdst.layout)))
+        row_sum = row_sum * scale + block_sum
+        cute.arch.fence_view_async_tmem_store()
+        pipe_p.producer_commit(p_state)
+        p_state.advance(self.q_stage)
+        if j > 0:
+            # O's scale for this step, to the correction thread of the same row.
+            pipe_scale.producer_acquire(sc_state)
+            sScale[tidx, sc_state.index] = scale
+            pipe_scale.producer_commit(sc_state)
+            sc_state.advance(self.q_stage)
+        return row_max, row_sum, s_state, p_state, sc_state
+
+    @cute.jit
     def _store_lse_rows(self, mLSE, blocks, row, head, batch, lse, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK,
                         mSequsedK, num_batch):
         """Dense and varlen: the softmax thread's row's LSE (and a varlen padding tile's rows)."""
@@ -1001,11 +1169,12 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen: SeqlenInfo,
                    n_blocks, tidx, pad, num_m_blocks, mOaccum=None, work=None, problem=None):
-        """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx): rescales it in TMEM between P.V
-        gemms, then stores O / row sum. A row is head_dim fp32 values, more than the warpgroup's
-        registers: it is done in 32-column chunks (one 32x32b load or store each). KV cache: the row
-        is a pack-GQA row (_cache_row), stored as o, or with splits as this split's float32
-        partial; cache_epilogue does the rest."""
+        """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx) -- of each Q tile's O, with two
+        tiles per CTA (tile 0's step j, then tile 1's, the order the MMA warp accumulates them in):
+        rescales it in TMEM between P.V gemms, then stores O / row sum. A row is head_dim fp32
+        values, more than the warpgroup's registers: it is done in 32-column chunks (one 32x32b load
+        or store each). KV cache: the row is a pack-GQA row (_cache_row), stored as o, or with
+        splits as this split's float32 partial; cache_epilogue does the rest."""
         cfg = self.cfg
         chunk = 32
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
@@ -1015,53 +1184,59 @@ class FlashAttentionForwardSm100:
         t2r = tcgen05.make_tmem_copy(ld_atom, tO_chunks[None, None, 0, 0]).get_slice(tidx)
         r2t = tcgen05.make_tmem_copy(st_atom, tO_chunks[None, None, 0, 0]).get_slice(tidx)
         tOcO = t2r.partition_D(cute.make_identity_tensor((cfg.tile_m, chunk)))
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-        row = m_block * cfg.tile_m + tidx
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
+        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2 * self.q_stage)
         seqlen_q = seqlen.seqlen_q
         dest = None
         if const_expr(self.cache):
             dest = self._cache_row(mO, work, seqlen, problem, tidx)
         for j in cutlass.range(n_blocks, unroll=1):
-            pipe_o.consumer_wait(o_state)  # P_j V_j has landed in O
-            pipe_scale.consumer_wait(sc_state)
-            scale = sScale[tidx, sc_state.index]
-            pipe_scale.consumer_release(sc_state)
-            sc_state.advance()
-            _tcgen05_fence_after()
-            last = j == n_blocks - 1
-            # Not last: rescale for the next step's max (a warp whose rows all kept theirs skips
-            # it). Last: scale is 1 / row sum, and O leaves.
-            if last or cute.arch.vote_any_sync(scale != 1.0):
-                for c in cutlass.range_constexpr(cfg.head_dim // chunk):
-                    rO = cute.make_rmem_tensor(tOcO.shape, Float32)
-                    cute.copy(t2r, t2r.partition_S(tO_chunks[None, None, 0, c]), rO)
-                    cute.arch.fence_view_async_tmem_load()
-                    for i in cutlass.range_constexpr(cute.size(rO)):
-                        rO[i] = rO[i] * scale
-                    if last:
-                        if const_expr(self.cache):
-                            self._store_cache_o(mO, mOaccum, rO, tOcO, c * chunk, dest, seqlen, work, problem)
-                        elif row < seqlen_q:
-                            out = self._o_row(mO, seqlen, row, head, batch)
-                            for i in cutlass.range_constexpr(cute.size(rO)):
-                                out[c * chunk + tOcO[i][1]] = rO[i].to(mO.element_type)
-                    else:
-                        cute.copy(r2t, rO, r2t.partition_D(tO_chunks[None, None, 0, c]))
-                if not last:
-                    cute.arch.fence_view_async_tmem_store()
-            _tcgen05_fence_before()
-            pipe_o.consumer_release(o_state)
-            o_state.advance()
+            for t in cutlass.range_constexpr(self.q_stage):
+                row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
+                # Tile t's O: tile 0's columns moved by a compile-time offset.
+                tOt = cute.make_tensor(tO_chunks.iterator + (cfg.tmem_map[f"O{t}"][0] - cfg.tmem_map["O0"][0]),
+                                       tO_chunks.layout)
+                pipe_o.consumer_wait(o_state)  # P_j V_j has landed in tile t's O
+                pipe_scale.consumer_wait(sc_state)
+                scale = sScale[tidx, sc_state.index]
+                pipe_scale.consumer_release(sc_state)
+                sc_state.advance()
+                _tcgen05_fence_after()
+                last = j == n_blocks - 1
+                # Not last: rescale for the next step's max (a warp whose rows all kept theirs skips
+                # it). Last: scale is 1 / row sum, and O leaves.
+                if last or cute.arch.vote_any_sync(scale != 1.0):
+                    for c in cutlass.range_constexpr(cfg.head_dim // chunk):
+                        rO = cute.make_rmem_tensor(tOcO.shape, Float32)
+                        cute.copy(t2r, t2r.partition_S(tOt[None, None, 0, c]), rO)
+                        cute.arch.fence_view_async_tmem_load()
+                        for i in cutlass.range_constexpr(cute.size(rO)):
+                            rO[i] = rO[i] * scale
+                        if last:
+                            if const_expr(self.cache):
+                                self._store_cache_o(mO, mOaccum, rO, tOcO, c * chunk, dest, seqlen, work, problem)
+                            elif row < seqlen_q:
+                                out = self._o_row(mO, seqlen, row, head, batch)
+                                for i in cutlass.range_constexpr(cute.size(rO)):
+                                    out[c * chunk + tOcO[i][1]] = rO[i].to(mO.element_type)
+                        else:
+                            cute.copy(r2t, rO, r2t.partition_D(tOt[None, None, 0, c]))
+                    if not last:
+                        cute.arch.fence_view_async_tmem_store()
+                _tcgen05_fence_before()
+                pipe_o.consumer_release(o_state)
+                o_state.advance()
         if n_blocks == 0 and not self.cache:
             # No key: O = 0 (the softmax wrote lse).
-            if row < seqlen_q:
-                self._zero_o_row(mO, seqlen, row, head, batch)
-            if const_expr(self.varlen):
-                if pad:
-                    stride = self._pad_stride(num_m_blocks)
-                    for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
-                        self._zero_o_row(mO, seqlen, r, head, batch)
+            for t in cutlass.range_constexpr(self.q_stage):
+                row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
+                if row < seqlen_q:
+                    self._zero_o_row(mO, seqlen, row, head, batch)
+                if const_expr(self.varlen):
+                    if pad:
+                        stride = self._pad_stride(num_m_blocks)
+                        for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
+                            self._zero_o_row(mO, seqlen, r, head, batch)
 
     @cute.jit
     def _cache_row(self, mO, work, seqlen: SeqlenInfo, problem: TileProblem, tidx):
@@ -1133,7 +1308,7 @@ class FlashAttentionForwardSm100:
         """The varlen padding pseudo-batch's rows past cu_seqlens_q[b] may outnumber its tiles' rows
         (the grid follows max_seqlen_q): each of its tiles writes its rows this far apart. Computed
         where used, from kernel parameters, so that nothing extra stays live through the mainloop."""
-        return num_m_blocks * self.cfg.tile_m
+        return num_m_blocks * self.cta_rows
 
     @cute.jit
     def _zero_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):

@@ -92,3 +92,18 @@ class ScoreMask:
                         s_mn[r, c] = -Float32.inf if (col >= hi or col < lo) else s_mn[r, c]
                     else:
                         s_mn[r, c] = -Float32.inf if col >= hi else s_mn[r, c]
+
+
+@cute.jit
+def mask_row_in_order(s_row: cute.Tensor, hi, lo, left: cutlass.Constexpr[bool]):
+    """-inf outside columns [lo, hi) of a row that one thread holds whole and in column order (the
+    SM100 softmax: register i is column i of its TMEM lane), by the bit masks ScoreMask uses: with
+    consecutive columns the registers left of a bound are the bound itself. `lo` only if `left`."""
+    n = cute.size(s_row)
+    keep_hi = cutlass.max(hi, 0)
+    keep_lo = cutlass.max(lo, 0) if const_expr(left) else 0
+    for w in cutlass.range_constexpr(cute.ceil_div(n, BITS)):
+        bits = keep_bits(keep_lo, keep_hi, w, left, _shl_b32, cutlass.max)
+        for i in cutlass.range_constexpr(min(BITS, n - w * BITS)):
+            c = w * BITS + i
+            s_row[c] = s_row[c] if cutlass.Boolean(bits & (Uint32(1) << i)) else -Float32.inf

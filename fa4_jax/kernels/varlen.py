@@ -30,8 +30,9 @@ def make_kernel(variant: VarlenVariant):
         from fa4_jax.kernels.fwd_sm100 import FlashAttentionForwardSm100
         from fa4_jax.kernels.seams import FwdSeams
 
-        # The dense SM100 kernel's configuration, at per-sequence offsets (opt-in, as the dense one).
-        cfg = sm100_fwd_config(variant.head_dim, packed_rows=128)
+        # The dense SM100 kernel's configuration (two Q tiles per CTA at head_dim <= 128), at
+        # per-sequence offsets (opt-in, as the dense one).
+        cfg = sm100_fwd_config(variant.head_dim)
         return FlashAttentionForwardSm100(cfg, variant.mask, variant.softcap, FwdSeams.varlen()).call_varlen
     raise NotImplementedError(f"no varlen kernel for {variant.arch=} yet")
 
