@@ -1,0 +1,280 @@
+"""The SM100 forward kernel's handoffs, run on the CPU as a model (issue 16: no Blackwell GPU here).
+
+fa4_jax/kernels/fwd_sm100.py's roles -- the load warp, the MMA warp, one softmax warpgroup per Q tile
+and the correction warpgroup -- talk only through mbarrier pipelines (cutlass.pipeline): a stage's
+"full" barrier (producer -> consumer) and "empty" barrier (consumer -> producer), waited on with a
+parity bit. A mistake in a stage index, a phase or an order there hangs the kernel or lets one role
+overwrite a buffer another still reads, and nothing can run the kernel here to show it. So each
+role is written below as a generator that performs, in the same order as the kernel's code, the
+same pipeline operations with the same state arithmetic (cutlass's PipelineState: index, phase,
+advance(n)), and touches tagged stand-ins of the buffers those operations guard (Q, the K and V
+rings, S/P in Tensor Memory, O, the row-scale slots). Random interleavings of the roles must all
+finish (no deadlock) and every read must see exactly the block's data it expects.
+
+The stage counts and Q tiles per CTA come from the kernel's own configuration (config_sm100), for
+one and two Q tiles per CTA (KV cache / dense and varlen at head_dim <= 128).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fa4_jax.kernels.config_sm100 import sm100_fwd_config
+
+
+class State:
+    """cutlass.pipeline.PipelineState: (index, phase); advance(n) wraps the index and flips the phase
+    on each wrap. Producers start at phase 1 (their first acquire of an empty stage passes)."""
+
+    def __init__(self, stages: int, producer: bool, index: int = 0):
+        self.stages, self.index, self.phase = stages, index, 1 if producer else 0
+
+    def advance(self, n: int = 1):
+        self.index += n
+        self.phase ^= (self.index // self.stages) % 2
+        self.index %= self.stages
+
+
+class Barrier:
+    """An mbarrier with one expected arrival: wait(parity) passes once the phase of that parity has
+    completed, i.e. while completed % 2 != parity (the first wait on parity 1 passes at once)."""
+
+    def __init__(self):
+        self.completed = 0
+
+    def arrive(self):
+        self.completed += 1
+
+
+class Pipe:
+    def __init__(self, stages: int):
+        self.full = [Barrier() for _ in range(stages)]
+        self.empty = [Barrier() for _ in range(stages)]
+
+    # Each op a role waits on is a (barrier, parity) the scheduler polls.
+    def producer_acquire(self, st):
+        return self.empty[st.index], st.phase
+
+    def producer_commit(self, st):
+        self.full[st.index].arrive()
+
+    def consumer_wait(self, st):
+        return self.full[st.index], st.phase
+
+    def consumer_release(self, st):
+        self.empty[st.index].arrive()
+
+
+class Cta:
+    """The CTA's pipelines and tagged buffers, as `kernel` creates them."""
+
+    def __init__(self, q_stage: int, stages: int, n_blocks: int):
+        self.q_stage, self.stages, self.n = q_stage, stages, n_blocks
+        self.pipe_q = Pipe(q_stage)
+        self.pipe_k, self.pipe_v = Pipe(stages), Pipe(stages)
+        self.pipe_s, self.pipe_p = Pipe(2), Pipe(2)
+        self.pipe_o = Pipe(q_stage)
+        self.pipe_scale = Pipe(2 * q_stage)
+        self.q = [None] * q_stage
+        self.k, self.v = [None] * stages, [None] * stages
+        self.s = [None] * 2  # S buffer b holds ("S", tile, block)
+        self.p = [None] * 2  # its upper half, P of ("P", tile, block)
+        self.o = [[] for _ in range(q_stage)]  # what each tile's O has accumulated, in order
+        self.o_ready = [-1] * q_stage  # the last block whose P.V the correction has seen in O_t
+        self.scale = [None] * (2 * q_stage)
+        self.stored = []
+
+    def block(self, j):
+        return self.n - 1 - j  # blocks run from the highest down
+
+
+def load(c: Cta):
+    q_state, kv = State(c.q_stage, True), State(c.stages, True)
+    yield c.pipe_q.producer_acquire(q_state)
+    c.q[0] = ("Q", 0)
+    c.pipe_q.producer_commit(q_state)
+    q_state.advance()
+    for i in range(c.n):
+        yield c.pipe_k.producer_acquire(kv)
+        c.k[kv.index] = ("K", c.block(i))
+        c.pipe_k.producer_commit(kv)
+        if c.q_stage == 2 and i == 0:  # the second Q tile between the first K and V
+            yield c.pipe_q.producer_acquire(q_state)
+            c.q[1] = ("Q", 1)
+            c.pipe_q.producer_commit(q_state)
+        yield c.pipe_v.producer_acquire(kv)
+        c.v[kv.index] = ("V", c.block(i))
+        c.pipe_v.producer_commit(kv)
+        kv.advance()
+
+
+def _qk(c: Cta, t: int, j: int, buf: int, kv_index: int):
+    """S_t = Q_t K_j^T into S buffer `buf`: Q_t and K_j must be there, and the P it overwrites must
+    have been read by its P.V gemm (issued earlier by the same thread: the tensor core runs them in
+    order), which `pv` records by clearing it."""
+    assert c.q[t] == ("Q", t), (c.q, t)
+    assert c.k[kv_index] == ("K", c.block(j)), (c.k, kv_index, j)
+    assert c.p[buf] is None, ("S overwrites an unread P", buf, c.p[buf])
+    c.s[buf] = ("S", t, j)
+
+
+def _pv(c: Cta, t: int, j: int, buf: int, v_index: int):
+    """O_t (+)= P_t(j) V_j: P of this tile and block, V_j, and O_t rescaled up to block j - 1."""
+    assert c.p[buf] == ("P", t, j), ("P", buf, c.p[buf], t, j)
+    assert c.v[v_index] == ("V", c.block(j)), (c.v, v_index, j)
+    assert c.o_ready[t] == j - 1, ("O not rescaled", t, j, c.o_ready)
+    c.o[t].append(j)
+    c.p[buf] = None
+
+
+def mma(c: Cta):
+    q_state = State(c.q_stage, False)
+    kv, vs = State(c.stages, False), State(c.stages, False)
+    s_state, p_state, o_state = State(2, True), State(2, False), State(c.q_stage, True)
+    if c.q_stage == 1:  # FlashAttentionForwardSm100.mma
+        yield c.pipe_q.consumer_wait(q_state)
+        for j in range(c.n + 1):
+            if j < c.n:
+                yield c.pipe_k.consumer_wait(kv)
+                yield c.pipe_s.producer_acquire(s_state)
+                _qk(c, 0, j, s_state.index, kv.index)
+                c.pipe_k.consumer_release(kv)
+                c.pipe_s.producer_commit(s_state)
+                s_state.advance()
+                kv.advance()
+            if j > 0:
+                yield c.pipe_p.consumer_wait(p_state)
+                yield c.pipe_v.consumer_wait(vs)
+                yield c.pipe_o.producer_acquire(o_state)
+                _pv(c, 0, j - 1, p_state.index, vs.index)
+                c.pipe_v.consumer_release(vs)
+                c.pipe_p.consumer_release(p_state)
+                c.pipe_o.producer_commit(o_state)
+                o_state.advance()
+                vs.advance()
+                p_state.advance()
+        return
+    for j in range(c.n + 1):  # FlashAttentionForwardSm100.mma_two_tiles
+        if j < c.n:
+            yield c.pipe_k.consumer_wait(kv)
+        if j > 0:
+            yield c.pipe_v.consumer_wait(vs)
+        for t in range(2):
+            if j > 0:
+                yield c.pipe_p.consumer_wait(p_state)
+                yield c.pipe_o.producer_acquire(o_state)
+                _pv(c, t, j - 1, t, vs.index)
+                c.pipe_p.consumer_release(p_state)
+                if t == 1:
+                    c.pipe_v.consumer_release(vs)
+                    vs.advance()
+                c.pipe_o.producer_commit(o_state)
+                o_state.advance()
+                p_state.advance()
+            if j < c.n:
+                if j == 0:
+                    yield c.pipe_q.consumer_wait(q_state)
+                    q_state.advance()
+                yield c.pipe_s.producer_acquire(s_state)
+                _qk(c, t, j, t, kv.index)
+                if t == 1:
+                    c.pipe_k.consumer_release(kv)
+                    kv.advance()
+                c.pipe_s.producer_commit(s_state)
+                s_state.advance()
+
+
+def softmax(c: Cta, t: int, step: int | None = None):
+    """FlashAttentionForwardSm100.softmax / _softmax_block with its _tile_state arithmetic (states
+    from stage t, advanced by q_stage; `step` overrides that, for the mutant test)."""
+    q = c.q_stage if step is None else step
+    s_state = State(2, False, index=t if c.q_stage == 2 else 0)
+    p_state = State(2, True, index=t if c.q_stage == 2 else 0)
+    sc_state = State(2 * c.q_stage, True, index=t if c.q_stage == 2 else 0)
+    for j in range(c.n):
+        buf = s_state.index  # j % 2 with one Q tile, t with two
+        yield c.pipe_s.consumer_wait(s_state)
+        assert c.s[buf] == ("S", t, j), ("S", buf, c.s[buf], t, j)
+        c.s[buf] = None
+        c.pipe_s.consumer_release(s_state)
+        s_state.advance(q)
+        yield c.pipe_p.producer_acquire(p_state)
+        assert c.p[buf] is None, ("P over an unread P", buf, c.p[buf])
+        c.p[buf] = ("P", t, j)
+        c.pipe_p.producer_commit(p_state)
+        p_state.advance(q)
+        if j > 0:
+            yield c.pipe_scale.producer_acquire(sc_state)
+            assert c.scale[sc_state.index] is None, ("scale slot overwritten", sc_state.index)
+            c.scale[sc_state.index] = ("scale", t, j)
+            c.pipe_scale.producer_commit(sc_state)
+            sc_state.advance(q)
+    if c.n > 0:
+        yield c.pipe_scale.producer_acquire(sc_state)
+        c.scale[sc_state.index] = ("inv", t)
+        c.pipe_scale.producer_commit(sc_state)
+
+
+def correction(c: Cta):
+    o_state, sc_state = State(c.q_stage, False), State(2 * c.q_stage, False)
+    for j in range(c.n):
+        for t in range(c.q_stage):
+            yield c.pipe_o.consumer_wait(o_state)
+            assert c.o[t] == list(range(j + 1)), ("O", t, c.o[t], j)
+            yield c.pipe_scale.consumer_wait(sc_state)
+            last = j == c.n - 1
+            assert c.scale[sc_state.index] == (("inv", t) if last else ("scale", t, j + 1)), \
+                (c.scale, sc_state.index, t, j)
+            c.scale[sc_state.index] = None
+            c.pipe_scale.consumer_release(sc_state)
+            sc_state.advance()
+            if last:
+                c.stored.append(t)
+            c.o_ready[t] = j  # rescaled for block j + 1's P.V (or stored)
+            c.pipe_o.consumer_release(o_state)
+            o_state.advance()
+
+
+def run(q_stage: int, stages: int, n_blocks: int, seed: int, softmax_step: int | None = None):
+    c = Cta(q_stage, stages, n_blocks)
+    roles = {"load": load(c), "mma": mma(c), "correction": correction(c)}
+    roles.update({f"softmax{t}": softmax(c, t, softmax_step) for t in range(q_stage)})
+    waiting = {name: None for name in roles}
+    rng = random.Random(seed)
+    while roles:
+        ready = [n for n in roles if waiting[n] is None or waiting[n][0].completed % 2 != waiting[n][1]]
+        assert ready, f"deadlock: every role waits ({ {n: w[1] for n, w in waiting.items()} })"
+        name = rng.choice(ready)
+        try:
+            waiting[name] = next(roles[name])
+        except StopIteration:
+            del roles[name], waiting[name]
+    return c
+
+
+CASES = [("kvcache", 128, sm100_fwd_config(128, packed_rows=128)), ("dense", 128, sm100_fwd_config(128)),
+         ("dense", 64, sm100_fwd_config(64)), ("dense", 256, sm100_fwd_config(256))]
+
+
+@pytest.mark.parametrize("family,hd,cfg", CASES, ids=[f"{f}-hd{hd}-q{c.q_stage}" for f, hd, c in CASES])
+@pytest.mark.parametrize("n_blocks", [0, 1, 2, 3, 7])
+def test_every_interleaving_of_the_roles_finishes_with_the_right_data(family, hd, cfg, n_blocks):
+    for seed in range(60):
+        c = run(cfg.q_stage, cfg.ring_stages, n_blocks, seed)
+        assert c.o == [list(range(n_blocks))] * cfg.q_stage
+        assert sorted(c.stored) == (list(range(cfg.q_stage)) if n_blocks else [])
+
+
+def test_the_model_catches_a_wrong_stage_step():
+    """Were the softmax warpgroups to step their states by one (the one-tile arithmetic) with two Q
+    tiles, they would use each other's stages: the model must fail (a deadlock or the other tile's
+    data), not pass."""
+    failures = 0
+    for seed in range(20):
+        try:
+            run(2, 2, 3, seed, softmax_step=1)
+        except AssertionError:
+            failures += 1
+    assert failures == 20
