@@ -68,10 +68,11 @@ class Pipe:
 
 
 class Cta:
-    """The CTA's pipelines and tagged buffers, as `kernel` creates them."""
+    """The CTA's pipelines and tagged buffers, as `kernel` creates them, and the tiles it walks (the
+    key blocks of each: a persistent CTA of full attention takes several, 0 blocks included)."""
 
-    def __init__(self, q_stage: int, stages: int, n_blocks: int):
-        self.q_stage, self.stages, self.n = q_stage, stages, n_blocks
+    def __init__(self, q_stage: int, stages: int, tiles: list[int]):
+        self.q_stage, self.stages, self.tiles = q_stage, stages, tiles
         self.pipe_q = Pipe(q_stage)
         self.pipe_k, self.pipe_v = Pipe(stages), Pipe(stages)
         self.pipe_s, self.pipe_p = Pipe(2), Pipe(2)
@@ -79,53 +80,64 @@ class Cta:
         self.pipe_scale = Pipe(2 * q_stage)
         self.q = [None] * q_stage
         self.k, self.v = [None] * stages, [None] * stages
-        self.s = [None] * 2  # S buffer b holds ("S", tile, block)
-        self.p = [None] * 2  # its upper half, P of ("P", tile, block)
-        self.o = [[] for _ in range(q_stage)]  # what each tile's O has accumulated, in order
-        self.o_ready = [-1] * q_stage  # the last block whose P.V the correction has seen in O_t
+        self.s = [None] * 2  # S buffer b holds ("S", tile, q tile, block)
+        self.p = [None] * 2  # its upper half, P of ("P", tile, q tile, block)
+        self.o = [None] * q_stage  # (tile, blocks accumulated in order) of each Q tile's O
+        self.o_ready = [None] * q_stage  # (tile, block) whose P.V the correction has rescaled / stored
         self.scale = [None] * (2 * q_stage)
         self.stored = []
 
-    def block(self, j):
-        return self.n - 1 - j  # blocks run from the highest down
+    def busy(self):
+        return [(i, n) for i, n in enumerate(self.tiles) if n > 0]
+
+
+def block(n, j):
+    return n - 1 - j  # blocks run from the highest down
 
 
 def load(c: Cta):
     q_state, kv = State(c.q_stage, True), State(c.stages, True)
-    yield c.pipe_q.producer_acquire(q_state)
-    c.q[0] = ("Q", 0)
-    c.pipe_q.producer_commit(q_state)
-    q_state.advance()
-    for i in range(c.n):
-        yield c.pipe_k.producer_acquire(kv)
-        c.k[kv.index] = ("K", c.block(i))
-        c.pipe_k.producer_commit(kv)
-        if c.q_stage == 2 and i == 0:  # the second Q tile between the first K and V
-            yield c.pipe_q.producer_acquire(q_state)
-            c.q[1] = ("Q", 1)
-            c.pipe_q.producer_commit(q_state)
-        yield c.pipe_v.producer_acquire(kv)
-        c.v[kv.index] = ("V", c.block(i))
-        c.pipe_v.producer_commit(kv)
-        kv.advance()
+    for tile, n in c.busy():
+        yield c.pipe_q.producer_acquire(q_state)
+        c.q[q_state.index] = ("Q", tile, 0)
+        c.pipe_q.producer_commit(q_state)
+        q_state.advance()
+        for i in range(n):
+            yield c.pipe_k.producer_acquire(kv)
+            c.k[kv.index] = ("K", tile, block(n, i))
+            c.pipe_k.producer_commit(kv)
+            if c.q_stage == 2 and i == 0:  # the second Q tile between the first K and V
+                yield c.pipe_q.producer_acquire(q_state)
+                c.q[q_state.index] = ("Q", tile, 1)
+                c.pipe_q.producer_commit(q_state)
+                q_state.advance()
+            yield c.pipe_v.producer_acquire(kv)
+            c.v[kv.index] = ("V", tile, block(n, i))
+            c.pipe_v.producer_commit(kv)
+            kv.advance()
 
 
-def _qk(c: Cta, t: int, j: int, buf: int, kv_index: int):
-    """S_t = Q_t K_j^T into S buffer `buf`: Q_t and K_j must be there, and the P it overwrites must
-    have been read by its P.V gemm (issued earlier by the same thread: the tensor core runs them in
-    order), which `pv` records by clearing it."""
-    assert c.q[t] == ("Q", t), (c.q, t)
-    assert c.k[kv_index] == ("K", c.block(j)), (c.k, kv_index, j)
+def _qk(c: Cta, tile: int, n: int, t: int, j: int, buf: int, kv_index: int):
+    """S_t = Q_t K_j^T into S buffer `buf`: this tile's Q_t and K_j must be there, and the P it
+    overwrites must have been read by its P.V gemm (issued earlier by the same thread: the tensor
+    core runs them in order), which `_pv` records by clearing it."""
+    assert c.q[t] == ("Q", tile, t), (c.q, tile, t)
+    assert c.k[kv_index] == ("K", tile, block(n, j)), (c.k, kv_index, tile, j)
     assert c.p[buf] is None, ("S overwrites an unread P", buf, c.p[buf])
-    c.s[buf] = ("S", t, j)
+    c.s[buf] = ("S", tile, t, j)
 
 
-def _pv(c: Cta, t: int, j: int, buf: int, v_index: int):
-    """O_t (+)= P_t(j) V_j: P of this tile and block, V_j, and O_t rescaled up to block j - 1."""
-    assert c.p[buf] == ("P", t, j), ("P", buf, c.p[buf], t, j)
-    assert c.v[v_index] == ("V", c.block(j)), (c.v, v_index, j)
-    assert c.o_ready[t] == j - 1, ("O not rescaled", t, j, c.o_ready)
-    c.o[t].append(j)
+def _pv(c: Cta, tile: int, n: int, t: int, j: int, buf: int, v_index: int, prev_tile):
+    """O_t (+)= P_t(j) V_j: P of this tile, Q tile and block, V_j, and O_t rescaled up to block j - 1
+    (j = 0: the previous tile's O_t stored, as it is overwritten)."""
+    assert c.p[buf] == ("P", tile, t, j), ("P", buf, c.p[buf], tile, t, j)
+    assert c.v[v_index] == ("V", tile, block(n, j)), (c.v, v_index, tile, j)
+    if j == 0:
+        assert c.o_ready[t] == (None if prev_tile is None else prev_tile), ("O overwritten", t, c.o_ready[t])
+        c.o[t] = (tile, [0])
+    else:
+        assert c.o_ready[t] == (tile, j - 1), ("O not rescaled", t, j, c.o_ready)
+        c.o[t][1].append(j)
     c.p[buf] = None
 
 
@@ -133,57 +145,66 @@ def mma(c: Cta):
     q_state = State(c.q_stage, False)
     kv, vs = State(c.stages, False), State(c.stages, False)
     s_state, p_state, o_state = State(2, True), State(2, False), State(c.q_stage, True)
-    if c.q_stage == 1:  # FlashAttentionForwardSm100.mma
-        yield c.pipe_q.consumer_wait(q_state)
-        for j in range(c.n + 1):
-            if j < c.n:
-                yield c.pipe_k.consumer_wait(kv)
-                yield c.pipe_s.producer_acquire(s_state)
-                _qk(c, 0, j, s_state.index, kv.index)
-                c.pipe_k.consumer_release(kv)
-                c.pipe_s.producer_commit(s_state)
-                s_state.advance()
-                kv.advance()
-            if j > 0:
-                yield c.pipe_p.consumer_wait(p_state)
-                yield c.pipe_v.consumer_wait(vs)
-                yield c.pipe_o.producer_acquire(o_state)
-                _pv(c, 0, j - 1, p_state.index, vs.index)
-                c.pipe_v.consumer_release(vs)
-                c.pipe_p.consumer_release(p_state)
-                c.pipe_o.producer_commit(o_state)
-                o_state.advance()
-                vs.advance()
-                p_state.advance()
-        return
-    for j in range(c.n + 1):  # FlashAttentionForwardSm100.mma_two_tiles
-        if j < c.n:
-            yield c.pipe_k.consumer_wait(kv)
-        if j > 0:
-            yield c.pipe_v.consumer_wait(vs)
-        for t in range(2):
-            if j > 0:
-                yield c.pipe_p.consumer_wait(p_state)
-                yield c.pipe_o.producer_acquire(o_state)
-                _pv(c, t, j - 1, t, vs.index)
-                c.pipe_p.consumer_release(p_state)
-                if t == 1:
-                    c.pipe_v.consumer_release(vs)
-                    vs.advance()
-                c.pipe_o.producer_commit(o_state)
-                o_state.advance()
-                p_state.advance()
-            if j < c.n:
-                if j == 0:
-                    yield c.pipe_q.consumer_wait(q_state)
+    prev = None  # (tile, last block) of the CTA's previous tile with keys
+    for tile, n in c.busy():
+        if c.q_stage == 1:  # FlashAttentionForwardSm100.mma
+            yield c.pipe_q.consumer_wait(q_state)
+            for j in range(n + 1):
+                if j == n:
+                    c.pipe_q.consumer_release(q_state)
                     q_state.advance()
-                yield c.pipe_s.producer_acquire(s_state)
-                _qk(c, t, j, t, kv.index)
-                if t == 1:
+                if j < n:
+                    yield c.pipe_k.consumer_wait(kv)
+                    yield c.pipe_s.producer_acquire(s_state)
+                    _qk(c, tile, n, 0, j, s_state.index, kv.index)
                     c.pipe_k.consumer_release(kv)
+                    c.pipe_s.producer_commit(s_state)
+                    s_state.advance()
                     kv.advance()
-                c.pipe_s.producer_commit(s_state)
-                s_state.advance()
+                if j > 0:
+                    yield c.pipe_p.consumer_wait(p_state)
+                    yield c.pipe_v.consumer_wait(vs)
+                    yield c.pipe_o.producer_acquire(o_state)
+                    _pv(c, tile, n, 0, j - 1, p_state.index, vs.index, prev)
+                    c.pipe_v.consumer_release(vs)
+                    c.pipe_p.consumer_release(p_state)
+                    c.pipe_o.producer_commit(o_state)
+                    o_state.advance()
+                    vs.advance()
+                    p_state.advance()
+        else:
+            for j in range(n + 1):  # FlashAttentionForwardSm100.mma_two_tiles
+                if j == n:
+                    for t in range(2):  # fixed stages: q_state advanced at the waits
+                        c.pipe_q.consumer_release(State(2, False, index=t))
+                if j < n:
+                    yield c.pipe_k.consumer_wait(kv)
+                if j > 0:
+                    yield c.pipe_v.consumer_wait(vs)
+                for t in range(2):
+                    if j > 0:
+                        yield c.pipe_p.consumer_wait(p_state)
+                        yield c.pipe_o.producer_acquire(o_state)
+                        _pv(c, tile, n, t, j - 1, t, vs.index, prev)
+                        c.pipe_p.consumer_release(p_state)
+                        if t == 1:
+                            c.pipe_v.consumer_release(vs)
+                            vs.advance()
+                        c.pipe_o.producer_commit(o_state)
+                        o_state.advance()
+                        p_state.advance()
+                    if j < n:
+                        if j == 0:
+                            yield c.pipe_q.consumer_wait(q_state)
+                            q_state.advance()
+                        yield c.pipe_s.producer_acquire(s_state)
+                        _qk(c, tile, n, t, j, t, kv.index)
+                        if t == 1:
+                            c.pipe_k.consumer_release(kv)
+                            kv.advance()
+                        c.pipe_s.producer_commit(s_state)
+                        s_state.advance()
+        prev = (tile, n - 1)
 
 
 def softmax(c: Cta, t: int, step: int | None = None):
@@ -193,52 +214,55 @@ def softmax(c: Cta, t: int, step: int | None = None):
     s_state = State(2, False, index=t if c.q_stage == 2 else 0)
     p_state = State(2, True, index=t if c.q_stage == 2 else 0)
     sc_state = State(2 * c.q_stage, True, index=t if c.q_stage == 2 else 0)
-    for j in range(c.n):
-        buf = s_state.index  # j % 2 with one Q tile, t with two
-        yield c.pipe_s.consumer_wait(s_state)
-        assert c.s[buf] == ("S", t, j), ("S", buf, c.s[buf], t, j)
-        c.s[buf] = None
-        c.pipe_s.consumer_release(s_state)
-        s_state.advance(q)
-        yield c.pipe_p.producer_acquire(p_state)
-        assert c.p[buf] is None, ("P over an unread P", buf, c.p[buf])
-        c.p[buf] = ("P", t, j)
-        c.pipe_p.producer_commit(p_state)
-        p_state.advance(q)
-        if j > 0:
-            yield c.pipe_scale.producer_acquire(sc_state)
-            assert c.scale[sc_state.index] is None, ("scale slot overwritten", sc_state.index)
-            c.scale[sc_state.index] = ("scale", t, j)
-            c.pipe_scale.producer_commit(sc_state)
-            sc_state.advance(q)
-    if c.n > 0:
+    for tile, n in c.busy():
+        for j in range(n):
+            buf = s_state.index  # j % 2 with one Q tile, t with two
+            yield c.pipe_s.consumer_wait(s_state)
+            assert c.s[buf] == ("S", tile, t, j), ("S", buf, c.s[buf], tile, t, j)
+            c.s[buf] = None
+            c.pipe_s.consumer_release(s_state)
+            s_state.advance(q)
+            yield c.pipe_p.producer_acquire(p_state)
+            assert c.p[buf] is None, ("P over an unread P", buf, c.p[buf])
+            c.p[buf] = ("P", tile, t, j)
+            c.pipe_p.producer_commit(p_state)
+            p_state.advance(q)
+            if j > 0:
+                yield c.pipe_scale.producer_acquire(sc_state)
+                assert c.scale[sc_state.index] is None, ("scale slot overwritten", sc_state.index)
+                c.scale[sc_state.index] = ("scale", tile, t, j)
+                c.pipe_scale.producer_commit(sc_state)
+                sc_state.advance(q)
         yield c.pipe_scale.producer_acquire(sc_state)
-        c.scale[sc_state.index] = ("inv", t)
+        assert c.scale[sc_state.index] is None, ("scale slot overwritten", sc_state.index)
+        c.scale[sc_state.index] = ("inv", tile, t)
         c.pipe_scale.producer_commit(sc_state)
+        sc_state.advance(q)
 
 
 def correction(c: Cta):
     o_state, sc_state = State(c.q_stage, False), State(2 * c.q_stage, False)
-    for j in range(c.n):
-        for t in range(c.q_stage):
-            yield c.pipe_o.consumer_wait(o_state)
-            assert c.o[t] == list(range(j + 1)), ("O", t, c.o[t], j)
-            yield c.pipe_scale.consumer_wait(sc_state)
-            last = j == c.n - 1
-            assert c.scale[sc_state.index] == (("inv", t) if last else ("scale", t, j + 1)), \
-                (c.scale, sc_state.index, t, j)
-            c.scale[sc_state.index] = None
-            c.pipe_scale.consumer_release(sc_state)
-            sc_state.advance()
-            if last:
-                c.stored.append(t)
-            c.o_ready[t] = j  # rescaled for block j + 1's P.V (or stored)
-            c.pipe_o.consumer_release(o_state)
-            o_state.advance()
+    for tile, n in c.busy():
+        for j in range(n):
+            for t in range(c.q_stage):
+                yield c.pipe_o.consumer_wait(o_state)
+                assert c.o[t] == (tile, list(range(j + 1))), ("O", t, c.o[t], tile, j)
+                yield c.pipe_scale.consumer_wait(sc_state)
+                last = j == n - 1
+                assert c.scale[sc_state.index] == (("inv", tile, t) if last else ("scale", tile, t, j + 1)), \
+                    (c.scale, sc_state.index, tile, t, j)
+                c.scale[sc_state.index] = None
+                c.pipe_scale.consumer_release(sc_state)
+                sc_state.advance()
+                if last:
+                    c.stored.append((tile, t))
+                c.o_ready[t] = (tile, j)  # rescaled for block j + 1's P.V (or stored)
+                c.pipe_o.consumer_release(o_state)
+                o_state.advance()
 
 
-def run(q_stage: int, stages: int, n_blocks: int, seed: int, softmax_step: int | None = None):
-    c = Cta(q_stage, stages, n_blocks)
+def run(q_stage: int, stages: int, tiles: list[int], seed: int, softmax_step: int | None = None):
+    c = Cta(q_stage, stages, tiles)
     roles = {"load": load(c), "mma": mma(c), "correction": correction(c)}
     roles.update({f"softmax{t}": softmax(c, t, softmax_step) for t in range(q_stage)})
     waiting = {name: None for name in roles}
@@ -258,13 +282,21 @@ CASES = [("kvcache", 128, sm100_fwd_config(128, packed_rows=128)), ("dense", 128
          ("dense", 64, sm100_fwd_config(64)), ("dense", 256, sm100_fwd_config(256))]
 
 
+# Tiles per CTA: one (causal / windowed grids, the KV cache), or a persistent CTA's several, with
+# tiles of no keys (a varlen tile past its sequence) between them.
+TILE_LISTS = [[0], [1], [2], [3], [7], [3, 1, 2], [2, 0, 3, 0, 1], [1, 1, 1, 1, 1]]
+
+
 @pytest.mark.parametrize("family,hd,cfg", CASES, ids=[f"{f}-hd{hd}-q{c.q_stage}" for f, hd, c in CASES])
-@pytest.mark.parametrize("n_blocks", [0, 1, 2, 3, 7])
-def test_every_interleaving_of_the_roles_finishes_with_the_right_data(family, hd, cfg, n_blocks):
-    for seed in range(60):
-        c = run(cfg.q_stage, cfg.ring_stages, n_blocks, seed)
-        assert c.o == [list(range(n_blocks))] * cfg.q_stage
-        assert sorted(c.stored) == (list(range(cfg.q_stage)) if n_blocks else [])
+@pytest.mark.parametrize("tiles", TILE_LISTS, ids=["-".join(map(str, t)) for t in TILE_LISTS])
+def test_every_interleaving_of_the_roles_finishes_with_the_right_data(family, hd, cfg, tiles):
+    for seed in range(40):
+        c = run(cfg.q_stage, cfg.ring_stages, tiles, seed)
+        busy = [i for i, n in enumerate(tiles) if n]
+        assert sorted(c.stored) == sorted((i, t) for i in busy for t in range(cfg.q_stage))
+        if busy:
+            last = busy[-1]
+            assert c.o == [(last, list(range(tiles[last])))] * cfg.q_stage
 
 
 def test_the_model_catches_a_wrong_stage_step():
@@ -274,7 +306,7 @@ def test_the_model_catches_a_wrong_stage_step():
     failures = 0
     for seed in range(20):
         try:
-            run(2, 2, 3, seed, softmax_step=1)
+            run(2, 2, [3], seed, softmax_step=1)
         except AssertionError:
             failures += 1
     assert failures == 20

@@ -36,10 +36,17 @@ overwritten, without a barrier.
 
 Masks (full, causal, local windows), softcap, sinks, GQA and the LSE follow the Hopper kernel's
 conventions (block_info.py, softmax.py). The family a kernel serves is its `FwdSeams` (seams.py), as
-for fwd_sm90: dense, varlen or KV cache. Not yet (the next steps, measured on hardware first): tuning
-the FMA-pipe exp2's share (exp2_fma.py), persistent scheduling (causal and windowed tiles are
-launched longest first: config_sm100.tile_of_block), TMA store of O, two Q tiles for KV-cache
-prefill chunks, one-row page pieces (page sizes that are not multiples of 16).
+for fwd_sm90: dense, varlen or KV cache.
+
+Scheduling (dense, varlen): full attention on a persistent grid of at most the SM count (_grid),
+each CTA walking tiles c, c + grid, ...: every role loops over the CTA's tiles with its pipeline
+states carried from one tile to the next (the load warp's next Q waits for the MMA warp to release
+the previous one, the first P.V gemm of a tile for the correction to have stored the previous O),
+so one tile's epilogue overlaps the next one's loads and gemms. Causal and windowed tiles: one CTA
+per tile, launched longest first (config_sm100.tile_of_block). Not yet (the next steps, measured on
+hardware first): tuning the FMA-pipe exp2's share (exp2_fma.py), a persistent longest-first handout
+for causal tiles, TMA store of O, two Q tiles for KV-cache prefill chunks, one-row page pieces
+(page sizes that are not multiples of 16).
 
 Varlen (call_varlen, `varlen=True`): the same kernel on packed (total, h, d) tensors. A tile (m_block,
 head, sequence) reads its sequence's lengths from cu_seqlens (keys clamped to the sequence's own, as
@@ -191,7 +198,7 @@ class FlashAttentionForwardSm100:
         mO: cute.Tensor,  # (b, s_q, h_q, d)
         mLSE: cute.Tensor,  # (b, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
-        mTileCounter: cute.Tensor,  # (n,) int32: the family's dynamic tile handout; one CTA per tile here, unused
+        mTileCounter: cute.Tensor,  # (n,) int32: the family's dynamic tile handout; unused here (_grid)
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -209,7 +216,7 @@ class FlashAttentionForwardSm100:
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.cta_rows)
         self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
                     mQ.shape[0], mK.shape[0], num_m_blocks, num_m_blocks * mQ.shape[2] * mQ.shape[3], None, None,
-                    None, Int32(0), stream)
+                    None, Int32(0), max_ctas, stream)
 
     @cute.jit
     def call_varlen(
@@ -228,7 +235,7 @@ class FlashAttentionForwardSm100:
         window_left: Int32,
         window_right: Int32,
         max_seqlen_q: Int32,
-        max_ctas: Int32,  # the SM90 kernel's persistent grid; this one launches a CTA per tile
+        max_ctas: Int32,  # the persistent grid of full attention (_grid)
         stream: cuda.CUstream,
     ):
         if const_expr(not self.varlen):
@@ -242,7 +249,7 @@ class FlashAttentionForwardSm100:
         tiles = num_m_blocks * mQ.shape[2] * mCuSeqlensQ.shape[0]
         self.launch(mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
                     Int32(0), Int32(0), num_m_blocks, tiles, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-                    mCuSeqlensQ.shape[0] - 1, stream)
+                    mCuSeqlensQ.shape[0] - 1, max_ctas, stream)
 
     @cute.jit
     def call_kvcache(
@@ -312,6 +319,7 @@ class FlashAttentionForwardSm100:
             num_m_blocks, mCuSeqlensQ, None, None, mSeqlensK.shape[0],
             sQ_layout, sKV_layout, sKV_layout, tP_layout,
             mPageTable, mSeqlensK, mOaccum, mLSEaccum, mTileList, mSemaphores, num_splits, mK.shape[0], ragged, n_listed,
+            None,
         ).launch(grid=[tiles, 1, 1], block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
         if num_splits > 1:
             # Without tile counters (ffi/kvcache.cc could not give any) a second kernel merges the splits.
@@ -334,8 +342,9 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def launch(self, mQ, mK, mVt, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale, window_left, window_right,
-               seqlen_q, seqlen_k, num_m_blocks, tiles, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, stream):
-        """TMA atoms, shared-memory layouts and the launch of one CTA per tile. Q, K, O are (rows, d,
+               seqlen_q, seqlen_k, num_m_blocks, tiles, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, max_ctas,
+               stream):
+        """TMA atoms, shared-memory layouts and the launch (_grid). Q, K, O are (rows, d,
         h[, b]) and V (d, rows, h[, b]); dense calls give seqlen_q / seqlen_k, varlen ones the
         cu_seqlens tensors and num_batch."""
         cfg = self.cfg
@@ -368,7 +377,20 @@ class FlashAttentionForwardSm100:
             softmax_scale_log2, softcap_prescale, window_left, window_right, seqlen_q, seqlen_k,
             mQ.shape[2] // mK.shape[2], num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch,
             sQ_layout, sK_layout, sV_layout, tP_layout, None, None, None, None, None, None, None, None, None, None,
-        ).launch(grid=[tiles, 1, 1], block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            tiles,
+        ).launch(grid=[self._grid(tiles, max_ctas), 1, 1], block=[cfg.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    def _grid(self, tiles, max_ctas):
+        """CTAs of a dense / varlen launch. Full attention: a persistent grid of at most max_ctas (the
+        handler's SM count), each CTA walking tiles c, c + grid, ... so that its next tile's loads
+        and gemms overlap this one's last blocks and epilogue (FlashAttention-4's static persistent
+        scheduler; every tile has the same work). Causal and windowed tiles: one CTA per tile,
+        launched longest first (tile_of_block), which the hardware hands to SMs as they free up --
+        the handler's tile counter (the SM90 kernel's dynamic handout) is not used here."""
+        if const_expr(self.mask == "full"):
+            return cutlass.min(tiles, cutlass.max(max_ctas, 1))
+        return tiles
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -413,6 +435,7 @@ class FlashAttentionForwardSm100:
         kv_len: Optional[Int32],  # contiguous: capacity; paged: page_size
         ragged: Optional[Int32],
         n_listed: Optional[Int32],
+        num_tiles: Optional[Int32],  # dense / varlen: the call's tiles, which the grid's CTAs walk (`launch`)
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -493,9 +516,15 @@ class FlashAttentionForwardSm100:
             if const_expr(self.cache):
                 self.load_cache(cache_args, mVt, sQ, sK, sV, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v)
             else:
-                m_block, head, head_kv, batch, seqlen, _, _, n_block_min, n_blocks = self._prefill_tile(*prefill_args)
-                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
-                          pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen)
+                producer = pipeline.PipelineUserType.Producer
+                states = (pipeline.make_pipeline_state(producer, self.q_stage),
+                          pipeline.make_pipeline_state(producer, self.stages))
+                for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+                    m_block, head, head_kv, batch, seqlen, _, _, n_block_min, n_blocks = self._prefill_tile(
+                        tile, *prefill_args)
+                    states = self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv,
+                                       pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks,
+                                       seqlen, states)
         elif warp_idx == self.mma_warp:
             cute.arch.setmaxregister_decrease(cfg.other_regs)
             tmem.allocate(cfg.tmem_alloc_columns)
@@ -515,8 +544,11 @@ class FlashAttentionForwardSm100:
             if const_expr(self.cache):
                 self._mma_cache(cache_args, mma_args, thr_qk, thr_pv)
             else:
-                _, _, _, _, seqlen, _, _, n_block_min, n_blocks = self._prefill_tile(*prefill_args)
-                self.mma(*mma_args, n_blocks, thr_qk, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * cfg.tile_n)
+                states = self._mma_states()
+                for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+                    _, _, _, _, seqlen, _, _, n_block_min, n_blocks = self._prefill_tile(tile, *prefill_args)
+                    states = self.mma(*mma_args, n_blocks, thr_qk, thr_pv,
+                                      seqlen.seqlen_k - (n_block_min + n_blocks - 1) * cfg.tile_n, states)
             # Every role is done with Tensor Memory before it is freed.
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
@@ -528,10 +560,15 @@ class FlashAttentionForwardSm100:
                 self._softmax_cache(cache_args, _tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE,
                                     mSinks, softmax_scale_log2, softcap_prescale, tidx, sLse)
             else:
-                m_block, head, _, batch, _, pad, blocks, n_block_min, n_blocks = self._prefill_tile(*prefill_args)
-                self.softmax(_tmem_base(tmem), s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks,
-                             softmax_scale_log2, softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks,
-                             tidx, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch)
+                base = _tmem_base(tmem)
+                states = self._softmax_states(tidx)
+                for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+                    m_block, head, _, batch, _, pad, blocks, n_block_min, n_blocks = self._prefill_tile(
+                        tile, *prefill_args)
+                    states = self.softmax(base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks,
+                                          softmax_scale_log2, softcap_prescale, blocks, m_block, head, batch,
+                                          n_block_min, n_blocks, tidx, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK,
+                                          mSequsedK, num_batch, states)
             _tcgen05_fence_before()
             cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
         elif warp_idx <= self.correction_warps[-1]:
@@ -542,9 +579,12 @@ class FlashAttentionForwardSm100:
                                        mOaccum, mLSEaccum, mSinks, sLse, storage.merge_flag.get_tensor(cute.make_layout(1)),
                                        ctidx)
             else:
-                m_block, head, _, batch, seqlen, pad, _, _, n_blocks = self._prefill_tile(*prefill_args)
-                self.correction(_tmem_base(tmem), o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen,
-                                n_blocks, ctidx, pad, num_m_blocks)
+                base = _tmem_base(tmem)
+                states = self._correction_states()
+                for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+                    m_block, head, _, batch, seqlen, pad, _, _, n_blocks = self._prefill_tile(tile, *prefill_args)
+                    states = self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch,
+                                             seqlen, n_blocks, ctidx, pad, num_m_blocks, states)
                 _tcgen05_fence_before()
                 cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
         else:
@@ -571,18 +611,18 @@ class FlashAttentionForwardSm100:
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def _prefill_tile(self, mO, num_m_blocks, qhead_per_kv, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, seqlen_q,
-                      seqlen_k, window_left, window_right):
-        """Dense / varlen: this CTA's tile and what its roles need of it, (m_block, head, head_kv,
-        batch, seqlen, pad, blocks, n_block_min, n_blocks). A one-dimensional grid, m-blocks
-        fastest (tile_of_block): gridDim.y and .z stop at 65535, which heads x batch (vmap folds its
-        axis into the batch) easily pass. m_block counts the CTA's q_stage tiles of rows; its key
-        blocks cover all of them (a row that sees none of a block's keys gets P = 0 there), and
-        `blocks` (128-row tiles) gives each softmax warpgroup its own masks. pad: the varlen
-        pseudo-batch of the rows past cu_seqlens_q[b]; n_blocks is 0 for a tile past its sequence's
-        rows (a varlen grid follows max_seqlen_q)."""
+    def _prefill_tile(self, tile, mO, num_m_blocks, qhead_per_kv, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch,
+                      seqlen_q, seqlen_k, window_left, window_right):
+        """Dense / varlen: tile `tile` of the call and what its roles need of it, (m_block, head,
+        head_kv, batch, seqlen, pad, blocks, n_block_min, n_blocks). Tiles are numbered in one
+        dimension, m-blocks fastest (tile_of_block): gridDim.y and .z stop at 65535, which heads x
+        batch (vmap folds its axis into the batch) easily pass. m_block counts the CTA's q_stage
+        tiles of rows; its key blocks cover all of them (a row that sees none of a block's keys gets
+        P = 0 there), and `blocks` (128-row tiles) gives each softmax warpgroup its own masks. pad:
+        the varlen pseudo-batch of the rows past cu_seqlens_q[b]; n_blocks is 0 for a tile past its
+        sequence's rows (a varlen grid follows max_seqlen_q)."""
         cfg = self.cfg
-        m_block, head, batch = tile_of_block(cute.arch.block_idx()[0], num_m_blocks, mO.shape[2], self.mask != "full")
+        m_block, head, batch = tile_of_block(tile, num_m_blocks, mO.shape[2], self.mask != "full")
         pad = False
         if const_expr(self.varlen):
             seqlen, pad = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mO.shape[0], batch)
@@ -634,9 +674,10 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sV, thr_qk, thr_pv, pipe_q, pipe_k,
-             pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen: SeqlenInfo):
+             pipe_v, m_block, head, head_kv, batch, n_block_min, n_blocks, seqlen: SeqlenInfo, states):
         """Q once, then K_j and V_j from the highest block down (the order the MMA warp uses them); a
         second Q tile between the first K and V, so that S_0 = Q_0 K^T can start before it lands.
+        `states` (Q, K/V producer states) carry over from the CTA's previous tile; returned advanced.
         Varlen: the boxes start at the sequence's offsets; a box may run into the next sequence's
         rows, which only feed masked scores (K), zeroed rows (V, see `mma`) or rows not stored (Q)."""
         cfg = self.cfg
@@ -657,9 +698,9 @@ class FlashAttentionForwardSm100:
                                            cute.group_modes(thr_qk.partition_B(gK), 0, 3))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
                                            cute.group_modes(thr_pv.partition_B(gV), 0, 3))
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        q_state, kv_state = states[0].clone(), states[1].clone()
         if n_blocks > 0:
+            # Q's stages are free once the MMA warp has issued the previous tile's last Q K^T gemm.
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ[None, m_tile], tQsQ[None, 0], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
@@ -673,16 +714,19 @@ class FlashAttentionForwardSm100:
                         pipe_q.producer_acquire(q_state)
                         cute.copy(tma_atom_Q, tQgQ[None, m_tile + 1], tQsQ[None, 1],
                                   tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                        q_state.advance()
                 pipe_v.producer_acquire(kv_state)
                 cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                 kv_state.advance()
+        return q_state, kv_state
 
     # KV cache: each role's entry finds the CTA's tile itself (_cache_tile) -- see `kernel`.
     @cute.jit
     def _mma_cache(self, cache_args, mma_args, thr_qk, thr_pv):
         _, _, seqlen, _, n_block_min, n_blocks, _ = self._cache_tile(*cache_args)
-        self.mma(*mma_args, n_blocks, thr_qk, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * self.cfg.tile_n)
+        self.mma(*mma_args, n_blocks, thr_qk, thr_pv, seqlen.seqlen_k - (n_block_min + n_blocks - 1) * self.cfg.tile_n,
+                 self._mma_states())
 
     @cute.jit
     def _softmax_cache(self, cache_args, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks,
@@ -690,14 +734,15 @@ class FlashAttentionForwardSm100:
         problem, work, _, blocks, n_block_min, n_blocks, pad = self._cache_tile(*cache_args)
         self.softmax(base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
                      softcap_prescale, blocks, work.m_block, work.head, work.batch, n_block_min, n_blocks, tidx, pad,
-                     problem.num_m_blocks, None, None, None, problem.num_batch, sLse, problem.num_splits)
+                     problem.num_m_blocks, None, None, None, problem.num_batch, self._softmax_states(tidx), sLse,
+                     problem.num_splits)
 
     @cute.jit
     def _correction_cache(self, cache_args, base, o_acc, pipe_o, pipe_scale, sScale, mO, mLSE, mOaccum, mLSEaccum,
                           mSinks, sLse, sMergeFlag, tidx):
         problem, work, seqlen, _, _, n_blocks, pad = self._cache_tile(*cache_args)
         self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, work.m_block, work.head, work.batch, seqlen,
-                        n_blocks, tidx, pad, problem.num_m_blocks, mOaccum, work, problem)
+                        n_blocks, tidx, pad, problem.num_m_blocks, self._correction_states(), mOaccum, work, problem)
         _tcgen05_fence_before()
         cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
         # After the TMEM handoff (nothing here reads Tensor Memory): the tile's LSE, the padding rows
@@ -759,20 +804,26 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO,
             o_step: cutlass.Constexpr[int], tP0, p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p,
-            pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first):
+            pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first, states):
         """One thread issues every gemm of the tile: S_j = Q K_j^T into S[j % 2], then
         O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O.
         `keys_in_first`: the sequence's keys in the first (highest) block; varlen and the KV cache
-        zero V's rows past them before that block's P.V gemm. Two Q tiles per CTA: mma_two_tiles."""
+        zero V's rows past them before that block's P.V gemm. Two Q tiles per CTA: mma_two_tiles.
+        `states` (_mma_states) carry over from the CTA's previous tile; returned advanced."""
         if const_expr(self.q_stage == 2):
-            self.mma_two_tiles(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, o_step, tP0, p_step, pipe_q,
-                               pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first)
-            return
+            return self.mma_two_tiles(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step, tO, o_step, tP0, p_step,
+                                      pipe_q, pipe_k, pipe_v, pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv,
+                                      keys_in_first, states)
         tSrQ, tSrK, tOrV = self._mma_operands(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV)
-        q_state, kv_state, v_state, s_state, p_state, o_state = self._mma_states()
+        q_state, kv_state, v_state, s_state, p_state, o_state = [st.clone() for st in states]
         if n_blocks > 0:
             pipe_q.consumer_wait(q_state)
             for j in cutlass.range(n_blocks + 1, unroll=1):
+                if j == n_blocks:
+                    # Every Q K^T gemm of the tile is issued: Q's stage goes back to the load warp
+                    # (the commit lands when they complete; before O's last commit, see below).
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
                 if j < n_blocks:
                     # S_j = Q K_j^T into S[j % 2] (free once the softmax has read S_(j-2)).
                     pipe_k.consumer_wait(kv_state)
@@ -808,6 +859,7 @@ class FlashAttentionForwardSm100:
                     o_state.advance()
                     v_state.advance()
                     p_state.advance()
+        return q_state, kv_state, v_state, s_state, p_state, o_state
 
     def _mma_states(self):
         """The MMA warp's pipeline states, in the usual order (every stage in turn): (Q, K, V, S, P,
@@ -823,7 +875,7 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def mma_two_tiles(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO,
                       o_step: cutlass.Constexpr[int], tP0, p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v,
-                      pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first):
+                      pipe_s, pipe_p, pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first, states):
         """Two Q tiles in ping-pong (FlashAttention-4's order): per key block j, for t = 0, 1,
         O_t (+)= P_t V_(j-1) and then S_t = Q_t K_j^T. While softmax warpgroup 0 works on S_0 the
         tensor core computes tile 1's gemms, and the other way round. P_t lives in the upper half of
@@ -834,9 +886,15 @@ class FlashAttentionForwardSm100:
         # thread's branch, and a value set in one branch cannot feed another branch's gemm.
         mmas = [self._tiled_mmas(self.dtype)[:2] for _ in range(2)]
         # S, P, O: stage t is tile t's, used in turn (0, 1, 0, ...): the usual state order.
-        q_state, kv_state, v_state, s_state, p_state, o_state = self._mma_states()
+        q_state, kv_state, v_state, s_state, p_state, o_state = [st.clone() for st in states]
         if n_blocks > 0:
             for j in cutlass.range(n_blocks + 1, unroll=1):
+                if j == n_blocks:
+                    # Every Q K^T gemm of the tile is issued: Q's stages go back to the load warp
+                    # (the commits land when they complete; before O_1's last commit, see below).
+                    # (q_state already stands past both: it advanced at each tile's wait.)
+                    for t in cutlass.range_constexpr(2):
+                        pipe_q.consumer_release(pipeline.PipelineState(2, Int32(0), Int32(t), Int32(0)))
                 if j < n_blocks:
                     pipe_k.consumer_wait(kv_state)
                 if j > 0:
@@ -877,6 +935,7 @@ class FlashAttentionForwardSm100:
                             kv_state.advance()
                         pipe_s.producer_commit(s_state)
                         s_state.advance()
+        return q_state, kv_state, v_state, s_state, p_state, o_state
 
     @cute.jit
     def _varlen_seqlen(self, mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, total_q, batch):
@@ -969,14 +1028,15 @@ class FlashAttentionForwardSm100:
     @cute.jit
     def softmax(self, base, s_acc, pipe_s, pipe_p, pipe_scale, sScale, mLSE, mSinks, softmax_scale_log2,
                 softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad, num_m_blocks,
-                mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, sLse=None, num_splits=None):
+                mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, states, sLse=None, num_splits=None):
         """Thread tidx owns row tidx % 128 of Q tile tidx // 128 (softmax warpgroup t, tile t, with two
         Q tiles per CTA; one tile: tile 0, S_j in S[j % 2]): its scores come from TMEM lane tidx % 128
         of the tile's S buffer. `pad`: the tile belongs to
         the varlen padding pseudo-batch (_pad_stride). Varlen: the tile's row offset is read again
         at the end, for the LSE store (_varlen_seqlen). KV cache: the row is a pack-GQA row of KV head
         `head` (its query is row // qhead_per_kv, for the masks; its q-head's sink joins here only
-        without splits), and its LSE goes to the correction warpgroup through sLse."""
+        without splits), and its LSE goes to the correction warpgroup through sLse. `states`
+        (_softmax_states) carry over from the CTA's previous tile; returned advanced."""
         cfg = self.cfg
         tmap = cfg.tmem_map
         dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
@@ -1004,9 +1064,7 @@ class FlashAttentionForwardSm100:
         tPr_shape = cute.make_layout(r2t.partition_S(cute.make_identity_tensor((cfg.tile_m, p_chunk))).shape)
         row_max = -Float32.inf
         row_sum = Float32(0.0)
-        s_state = self._tile_state(2, t, producer=False)
-        p_state = self._tile_state(2, t, producer=True)
-        sc_state = self._tile_state(2 * self.q_stage, t, producer=True)
+        s_state, p_state, sc_state = [st.clone() for st in states]
         # The tile's m-block in 128-row units (its masks' edges are its own, tighter than the CTA's).
         m_tile = m_block * self.q_stage + t
         row = m_tile * self.tile_rows + tidx
@@ -1058,9 +1116,18 @@ class FlashAttentionForwardSm100:
             if const_expr(self.cache):
                 sLse[tidx] = lse  # published by the commit below, with inv
             pipe_scale.producer_commit(sc_state)
+            sc_state.advance(self.q_stage)
         if const_expr(not self.cache):
             self._store_lse_rows(mLSE, blocks, row, head, batch, lse, pad, num_m_blocks, mCuSeqlensQ, mCuSeqlensK,
                                  mSequsedK, num_batch)
+        return s_state, p_state, sc_state
+
+    def _softmax_states(self, tidx):
+        """A softmax warpgroup's (S, P, row scale) states before its first tile (_tile_state): with two
+        Q tiles, warpgroup tidx // 128 takes that tile's stages."""
+        t = tidx // self.cfg.tile_m if const_expr(self.q_stage == 2) else 0
+        return (self._tile_state(2, t, producer=False), self._tile_state(2, t, producer=True),
+                self._tile_state(2 * self.q_stage, t, producer=True))
 
     @cute.jit
     def _softmax_block(self, masked: cutlass.Constexpr[bool], j, n_block, row_max, row_sum, s_state, p_state, sc_state,
@@ -1168,13 +1235,14 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen: SeqlenInfo,
-                   n_blocks, tidx, pad, num_m_blocks, mOaccum=None, work=None, problem=None):
+                   n_blocks, tidx, pad, num_m_blocks, states, mOaccum=None, work=None, problem=None):
         """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx) -- of each Q tile's O, with two
         tiles per CTA (tile 0's step j, then tile 1's, the order the MMA warp accumulates them in):
         rescales it in TMEM between P.V gemms, then stores O / row sum. A row is head_dim fp32
         values, more than the warpgroup's registers: it is done in 32-column chunks (one 32x32b load
         or store each). KV cache: the row is a pack-GQA row (_cache_row), stored as o, or with
-        splits as this split's float32 partial; cache_epilogue does the rest."""
+        splits as this split's float32 partial; cache_epilogue does the rest. `states` (O, row scale:
+        _correction_states) carry over from the CTA's previous tile; returned advanced."""
         cfg = self.cfg
         chunk = 32
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
@@ -1184,8 +1252,7 @@ class FlashAttentionForwardSm100:
         t2r = tcgen05.make_tmem_copy(ld_atom, tO_chunks[None, None, 0, 0]).get_slice(tidx)
         r2t = tcgen05.make_tmem_copy(st_atom, tO_chunks[None, None, 0, 0]).get_slice(tidx)
         tOcO = t2r.partition_D(cute.make_identity_tensor((cfg.tile_m, chunk)))
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stage)
-        sc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2 * self.q_stage)
+        o_state, sc_state = states[0].clone(), states[1].clone()
         seqlen_q = seqlen.seqlen_q
         dest = None
         if const_expr(self.cache):
@@ -1237,6 +1304,12 @@ class FlashAttentionForwardSm100:
                         stride = self._pad_stride(num_m_blocks)
                         for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
                             self._zero_o_row(mO, seqlen, r, head, batch)
+        return o_state, sc_state
+
+    def _correction_states(self):
+        consumer = pipeline.PipelineUserType.Consumer
+        return (pipeline.make_pipeline_state(consumer, self.q_stage),
+                pipeline.make_pipeline_state(consumer, 2 * self.q_stage))
 
     @cute.jit
     def _cache_row(self, mO, work, seqlen: SeqlenInfo, problem: TileProblem, tidx):
