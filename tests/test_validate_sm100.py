@@ -50,6 +50,45 @@ def test_refuses_a_machine_that_is_not_blackwell(capsys):
     assert "not a Blackwell (sm_100) GPU; run it on a B200, or pass --any-arch" in capsys.readouterr().err
 
 
+class _DenseImpl:
+    """fa4_jax with attention replaced: "fa4" runs `fn`, anything else the library."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def attention(self, *a, implementation=None, **kw):
+        if implementation == "fa4":
+            return self.fn(*a, **kw)
+        return fa4_jax.attention(*a, implementation=implementation, **kw)
+
+
+SMALL_EVERY_TILE = (1, 40, 40, 8, 2)  # the check's logic at a CPU-sized shape
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+def test_every_tile_check_passes_a_correct_implementation(mask):
+    from fa4_jax.families import FwdVariant
+
+    ref = _DenseImpl(lambda *a, **kw: fa4_jax.attention(*a, implementation="xla", **kw))
+    variant = FwdVariant("sm100", "bf16", 64, mask, mask == "local")
+    assert tool.check_every_tile(ref, jax, jnp, variant, seed=2, shape=SMALL_EVERY_TILE) == []
+
+
+def test_every_tile_check_names_the_wrong_heads():
+    # A stand-in that gets the later heads wrong (as a persistent CTA's later tiles could): reported
+    # by head, not averaged away.
+    from fa4_jax.families import FwdVariant
+
+    def later_heads_wrong(q, k, v, **kw):
+        o, lse = fa4_jax.attention(q, k, v, implementation="xla", **kw)
+        return o.at[:, :, 6:].multiply(0.5), lse
+
+    failures = tool.check_every_tile(_DenseImpl(later_heads_wrong), jax, jnp, FwdVariant("sm100", "bf16", 64, "full",
+                                     False), seed=3, shape=SMALL_EVERY_TILE)
+    assert len(failures) == 1 and "heads [6, 7] wrong" in failures[0], failures
+    assert tool.EVERY_TILE_SHAPE[3] * -(-tool.EVERY_TILE_SHAPE[1] // 256) > 148  # more tiles than B200 SMs
+
+
 class _Impl:
     """fa4_jax with attention_varlen pinned to `implementation` (the reference, on this host)."""
 

@@ -123,6 +123,43 @@ def check_variant(fa4_jax, jax, jnp, variant, shapes, seed: int) -> list[str]:
     return failures
 
 
+# More tiles than a B200 has SMs (148): 5 (two Q tiles per CTA) or 9 m-blocks x 64 heads. Full
+# attention runs on a persistent grid there, each CTA taking several tiles in turn (their pipeline
+# states carried across); the oracle's rows of batch 0 / four heads would see only first tiles.
+EVERY_TILE_SHAPE = (1, 1040, 1040, 64, 8)
+
+
+def check_every_tile(fa4_jax, jax, jnp, variant, seed: int, shape=EVERY_TILE_SHAPE) -> list[str]:
+    """Failures of one dense variant on `shape`, every output row and head against the library's
+    float32 reference (implementation="xla"): tiles a persistent CTA takes second or third."""
+    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
+    causal = variant.mask == "causal"
+    window = WINDOW if variant.mask == "local" else (-1, -1)
+    softcap = SOFTCAP if variant.softcap else 0.0
+    b, s_q, s_k, h_q, h_k = shape
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q, k, v = (jax.random.normal(kk, (b, s, h, variant.head_dim), jnp.float32).astype(dtype)
+               for kk, s, h in zip(keys, (s_q, s_k, s_k), (h_q, h_k, h_k)))
+    outs = []
+    for impl in ("fa4", "xla"):
+        fn = jax.jit(lambda q, k, v, impl=impl: fa4_jax.attention(q, k, v, causal=causal, window_size=window,
+                                                                   softcap=softcap, return_lse=True,
+                                                                   implementation=impl))
+        try:
+            outs.append([np.asarray(x, np.float64) for x in jax.block_until_ready(fn(q, k, v))])
+        except Exception as e:  # noqa: BLE001 - an FFI error is a finding
+            return [f"{shape}: the call failed ({impl}): {str(e).splitlines()[0][:120]}"]
+    (o, lse), (ref_o, ref_lse) = outs
+    if not (np.isfinite(o).all() and np.isfinite(lse).all()):
+        return [f"{shape}: non-finite output"]
+    err = np.abs(o - ref_o).max(axis=(0, 1, 3)) / max(np.abs(ref_o).max(), 1e-30)  # per head
+    lse_err = np.abs(lse - ref_lse).max(axis=(0, 2))
+    bad = np.nonzero((err > REL_ERR_LIMIT) | (lse_err > LSE_ATOL))[0]
+    if bad.size:
+        return [f"{shape}: heads {bad[:8].tolist()} wrong (output error {err.max():.2e}, LSE error {lse_err.max():.2e})"]
+    return []
+
+
 VARLEN_LENS = (77, 0, 300, 1, 129)  # packed sequences: odd lengths, an empty one and a single token
 VARLEN_PAD = 5  # query rows past cu_seqlens_q[b]: o = 0, lse = -inf
 
@@ -337,6 +374,8 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore")  # the one-time "not yet validated" warning of the opt-in kernels
         for i, variant in enumerate(checked_dense):
             failures[variant.symbol] = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
+            if not args.quick:
+                failures[variant.symbol] += check_every_tile(fa4_jax, jax, jnp, variant, seed=i)
             status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
             print(f"  {variant.symbol:<44} {status}", flush=True)
         for i, variant in enumerate(varlen):
