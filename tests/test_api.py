@@ -490,8 +490,9 @@ def test_resolves_fa4_when_variant_built(hopper):
 @pytest.mark.parametrize("capability,kind,arch", [("9.0", "NVIDIA H200", "sm90"), ("10.0", "NVIDIA B200", "sm100")])
 def test_kvcache_dispatch_picks_the_devices_architecture(monkeypatch, capability, kind, arch):
     # A KV-cache call asks for the variant of the GPU's own architecture (issue 16's SM100 kernels on a
-    # B200, the SM90 ones on an H200); on Blackwell only implementation="fa4" picks it (not validated on
-    # hardware yet), and a page size that is not a multiple of 16 has no SM100 kernel.
+    # B200, the SM90 ones on an H200), page pieces included; on Blackwell only implementation="fa4"
+    # picks it (not validated on hardware yet). A library built without the one-row variant of the
+    # device's architecture names it.
     from fa4_jax.ops.kvcache.spec import KVCacheVariant
 
     built = [KVCacheVariant(a, "bf16", 128, "local", False, True, 64, rows)

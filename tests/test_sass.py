@@ -26,7 +26,8 @@ HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local"
 # offsets, whose MMA warp also zeroes V rows past a sequence's last key), and the KV cache (pack-GQA
 # rows gathered by the load warp, split partials merged by the last split CTA): a decode tile on a
 # contiguous cache and a prefill-chunk tile on a paged one.
-SM100_KVCACHE_SYMBOLS = ("fa4_kvcache_sm100_bf16_hd128_local", "fa4_kvcache_sm100_bf16_hd64_local_softcap_paged_m128")
+SM100_KVCACHE_SYMBOLS = ("fa4_kvcache_sm100_bf16_hd128_local", "fa4_kvcache_sm100_bf16_hd64_local_softcap_paged_m128",
+                         "fa4_kvcache_sm100_bf16_hd96_local_paged_rows1")
 SM100_SYMBOLS = ("fa4_fwd_sm100_bf16_hd128_causal", "fa4_varlen_sm100_bf16_hd128_causal", *SM100_KVCACHE_SYMBOLS)
 
 
@@ -90,8 +91,11 @@ def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     kernels = sass.kernel_sass(sm100_attention_obj, _nvdisasm())
     (name, text), = [(n, t) for n, t in kernels.items() if "FlashAttentionForwardSm100" in n]
     ops = sass.opcode_counts(text)
-    for op in ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "UTMALDG", "USETMAXREG", "MUFU"):
+    for op in ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "USETMAXREG", "MUFU"):
         assert ops[op] > 0, (op, sorted(ops.items()))
+    # K/V by TMA, except one-row page pieces: rows gathered by the load warp's cp.async (LDGSTS).
+    rows1 = sm100_attention_obj.stem.endswith("_rows1")
+    assert (ops["UTMALDG"] == 0) == rows1, sorted(ops.items())
     assert ops["HGMMA"] == ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
     (res,) = [r for k, r in kernel_resources(sm100_attention_obj).items() if "FlashAttentionForwardSm100" in k]
     assert res.get("frame", 0) == 0, res

@@ -133,14 +133,14 @@ def test_a_family_without_kernels_for_the_gpus_arch_skips(monkeypatch):
 
 
 def test_a_kernel_kind_the_gpus_arch_lacks_skips():
-    # Blackwell's KV-cache kernels read pages in 16-row pieces only: a page-size-1 case (the one-row
-    # gather, SM90's) skips on a Blackwell GPU, naming the SM90 kernel that exists.
-    rows1 = KVCacheVariant("sm100", "bf16", 128, "local", False, True, 64, 1)
-    assert KVCacheVariant("sm100", "bf16", 128, "local", False, True) in families_menu()
-    with pytest.raises(pytest.skip.Exception, match=r"fa4_kvcache_sm100_bf16_hd128_local_paged_rows1: sm100 has no "
-                                                    r"kernel of this kind yet \(fa4_kvcache_sm90_bf16_hd128_local_"
+    # Blackwell's KV-cache kernels are bfloat16 only (spec.DTYPES_BY_ARCH): an fp16 case skips on a
+    # Blackwell GPU, naming the SM90 kernel that exists.
+    fp16 = KVCacheVariant("sm100", "fp16", 128, "local", False, True, 64, 1)
+    assert KVCacheVariant("sm100", "bf16", 128, "local", False, True, 64, 1) in families_menu()
+    with pytest.raises(pytest.skip.Exception, match=r"fa4_kvcache_sm100_fp16_hd128_local_paged_rows1: sm100 has no "
+                                                    r"kernel of this kind yet \(fa4_kvcache_sm90_fp16_hd128_local_"
                                                     r"paged_rows1 is sm90's\)"):
-        gpu_menu.require_variant(frozenset([HAVE]), rows1)
+        gpu_menu.require_variant(frozenset([HAVE]), fp16)
 
 
 def families_menu():

@@ -138,13 +138,15 @@ def _reference_kvcache(*a, implementation=None, **kw):
     return fa4_jax.attention_with_kvcache(*a, implementation="xla", **kw)
 
 
-@pytest.mark.parametrize("paged,tile_m,softcap", [(False, 64, False), (True, 64, True), (True, 128, False)])
-def test_kvcache_check_passes_a_correct_implementation(paged, tile_m, softcap):
+@pytest.mark.parametrize("paged,tile_m,softcap,page_rows", [(False, 64, False, 16), (True, 64, True, 16),
+                                                            (True, 128, False, 16), (True, 64, False, 1)])
+def test_kvcache_check_passes_a_correct_implementation(paged, tile_m, softcap, page_rows):
     # The library's reference stands in for the kernel: exact, and it never reads past a length, so
-    # the checker must find nothing, for decode rows and a prefill chunk, contiguous and paged.
+    # the checker must find nothing, for decode rows and a prefill chunk, contiguous and paged (16-row
+    # pieces at page 48, rows at page 7).
     from fa4_jax.families import KVCacheVariant
 
-    variant = KVCacheVariant("sm100", "bf16", 64, "local", softcap, paged, tile_m)
+    variant = KVCacheVariant("sm100", "bf16", 64, "local", softcap, paged, tile_m, page_rows)
     assert tool.check_kvcache_variant(_KVImpl(_reference_kvcache), jax, jnp, variant, seed=5) == []
 
 

@@ -213,8 +213,9 @@ def check_varlen_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) ->
     return failures
 
 
-KV_CAPACITY = 1008  # keys per sequence's cache: 21 pages of KV_PAGE
+KV_CAPACITY = 1008  # keys per sequence's cache: 21 pages of KV_PAGE, 144 of KV_ROW_PAGE
 KV_PAGE = 48  # a multiple of the kernels' 16-row page pieces that is not a power of two
+KV_ROW_PAGE = 7  # the one-row-piece variants' (page_rows 1): not a multiple of 16
 KV_CALLS = ((True, (-1, -1), None), (False, WINDOW, 3), (False, (-1, -1), 1))  # (causal, window, num_splits)
 
 
@@ -224,22 +225,22 @@ def kv_lengths(s_q: int) -> np.ndarray:
     return np.asarray([0, s_q, 701, KV_CAPACITY], np.int32)
 
 
-def to_pages(k, v, lens, seed: int):
-    """The contiguous caches (b, KV_CAPACITY, h, d) as a shuffled pool of KV_PAGE-row pages with three
-    pages no sequence owns; returns (k_pages, v_pages, page_table, owned) -- owned: (pages, KV_PAGE)
+def to_pages(k, v, lens, seed: int, page: int = KV_PAGE):
+    """The contiguous caches (b, KV_CAPACITY, h, d) as a shuffled pool of `page`-row pages with three
+    pages no sequence owns; returns (k_pages, v_pages, page_table, owned) -- owned: (pages, page)
     True on the slots some sequence's length covers."""
     b = k.shape[0]
-    per_seq = KV_CAPACITY // KV_PAGE
+    per_seq = KV_CAPACITY // page
     pool = b * per_seq + 3
     perm = np.random.default_rng(seed).permutation(pool)
     table = perm[: b * per_seq].reshape(b, per_seq).astype(np.int32)
-    owned = np.zeros((pool, KV_PAGE), bool)
+    owned = np.zeros((pool, page), bool)
     for i, n in enumerate(lens):
         for slot in range(int(n)):
-            owned[table[i, slot // KV_PAGE], slot % KV_PAGE] = True
+            owned[table[i, slot // page], slot % page] = True
 
     def pages(x):
-        x = np.asarray(x, np.float32).reshape(b * per_seq, KV_PAGE, *x.shape[2:])
+        x = np.asarray(x, np.float32).reshape(b * per_seq, page, *x.shape[2:])
         out = np.random.default_rng(seed + 1).standard_normal((pool, *x.shape[1:])).astype(np.float32)
         out[table.reshape(-1)] = x
         return out
@@ -266,7 +267,7 @@ def check_kvcache_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) -
             for kk in keys[1:])
     past = np.arange(KV_CAPACITY)[None, :] >= lens[:, None]  # (b, capacity): slots past each length
     if variant.paged:
-        kp, vp, table, owned = to_pages(k, v, lens, seed)
+        kp, vp, table, owned = to_pages(k, v, lens, seed, KV_ROW_PAGE if variant.page_rows == 1 else KV_PAGE)
         caches = (jnp.asarray(kp, dtype), jnp.asarray(vp, dtype))
         poisoned = tuple(jnp.asarray(np.where(owned[:, :, None, None], x, np.nan), dtype) for x in (kp, vp))
         table = jnp.asarray(table)

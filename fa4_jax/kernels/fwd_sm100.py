@@ -45,8 +45,7 @@ the previous one, the first P.V gemm of a tile for the correction to have stored
 so one tile's epilogue overlaps the next one's loads and gemms. Causal and windowed tiles: one CTA
 per tile, launched longest first (config_sm100.tile_of_block). Not yet (the next steps, measured on
 hardware first): tuning the FMA-pipe exp2's share (exp2_fma.py), a persistent longest-first handout
-for causal tiles, TMA store of O, two Q tiles for KV-cache prefill chunks, one-row page pieces
-(page sizes that are not multiples of 16).
+for causal tiles, TMA store of O, two Q tiles for KV-cache prefill chunks.
 
 Varlen (call_varlen, `varlen=True`): the same kernel on packed (total, h, d) tensors. A tile (m_block,
 head, sequence) reads its sequence's lengths from cu_seqlens (keys clamped to the sequence's own, as
@@ -64,8 +63,8 @@ architectures. A tile's rows are pack-GQA rows (query, q-head of the KV head), t
 (the variant's tile_m, 64 or 128; the MMA runs 128 rows either way). The load warp issues the first
 K block, gathers the tile's Q rows with cp.async (a runtime division maps rows to q rows: no TMA box)
 and hands them to the MMA warp through an mbarrier, then streams K/V blocks by TMA: whole blocks from
-a contiguous cache, 16-row pieces from the pages a page table names (loaders.KVLoader, as on SM90).
-The operands live in (rows, head_dim) shared-memory views that the gathers and page pieces address;
+a contiguous cache, 16-row pieces from the pages a page table names (loaders.KVLoader, as on SM90),
+or -- page sizes that are not multiples of 16 -- row by row with cp.async (_load_gathered). The operands live in (rows, head_dim) shared-memory views that the gathers and page pieces address;
 the MMA warp partitions the same views into its operands (_mma_operands). V rows past a sequence's
 last key are zeroed before that block's P.V gemm (cache slots past a length may hold anything). The
 softmax hands each row's LSE to the correction warpgroup, which stores O and the LSE -- the final
@@ -98,7 +97,8 @@ from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig, tile_of_block
 from fa4_jax.kernels.exp2_fma import exp2_fma
 from fa4_jax.kernels.mask import mask_row_in_order
-from fa4_jax.kernels.loaders import PAGE_ROWS, KVLoader, gather_packed_q_warp, row_thread_layout
+from fa4_jax.kernels.loaders import (PAGE_ROWS, KVLoader, gather_packed_q_warp, row_copy, row_thread_layout,
+                                     threads_per_row)
 from fa4_jax.kernels.seams import FwdSeams, KVLoad, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
 from fa4_jax.kernels.softmax import OnlineSoftmax
@@ -175,11 +175,13 @@ class FlashAttentionForwardSm100:
             raise ValueError(f"tile_rows must be in [1, {cfg.tile_m}]: {self.tile_rows=}")
         if self.tile_rows != cfg.tile_m and not self.cache:
             raise ValueError("fewer tile rows than the MMA's are a KV-cache tile only")
-        if self.paged and page_rows != PAGE_ROWS:
-            raise NotImplementedError(f"the SM100 KV-cache kernel reads pages in {PAGE_ROWS}-row TMA pieces; "
-                                      f"one-row pieces (page sizes that are not multiples of {PAGE_ROWS}) have "
-                                      "no SM100 kernel yet")
+        if self.paged and page_rows not in (PAGE_ROWS, 1):
+            raise ValueError(f"pages are read in {PAGE_ROWS}-row TMA pieces or row by row: {page_rows=}")
         self.page_rows = page_rows
+        # One-row pieces (page sizes that are not multiples of 16): the load warp gathers K/V rows
+        # with cp.async (_gather_rows), and their stages are handed over by its 32 lanes' arrivals
+        # rather than a TMA transaction count.
+        self.gather_kv = self.paged and page_rows == 1
         # Separate K and V rings, each half of what the shared memory holds beside Q (O leaves
         # from registers in this version: no staging tile): config_sm100's ring_stages.
         self.stages = cfg.ring_stages
@@ -309,10 +311,12 @@ class FlashAttentionForwardSm100:
         kv_tile = cute.select(sKV_layout, mode=[0, 1])
         self.kv_bytes = cute.size_in_bytes(dtype, kv_tile)
         # A paged block is tile_n / page_rows TMA pieces, each into its rows of the stage's tile.
-        box_rows = self.page_rows if const_expr(self.paged) else cfg.tile_n
-        kv_box = cute.composition(kv_tile, (box_rows, cfg.head_dim)) if const_expr(self.paged) else kv_tile
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_box, (box_rows, cfg.head_dim), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_box, (box_rows, cfg.head_dim), 1)
+        tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV  # one-row pieces: gathered, no TMA
+        if const_expr(not self.gather_kv):
+            box_rows = self.page_rows if const_expr(self.paged) else cfg.tile_n
+            kv_box = cute.composition(kv_tile, (box_rows, cfg.head_dim)) if const_expr(self.paged) else kv_tile
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(load_op, mK, kv_box, (box_rows, cfg.head_dim), 1)
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(load_op, mV, kv_box, (box_rows, cfg.head_dim), 1)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, None, mQ, tma_atom_K, tma_K, tma_atom_V, tma_V, mO, mLSE, mSinks,
             softmax_scale_log2, softcap_prescale, window_left, window_right, Int32(0), Int32(0), qhead_per_kv,
@@ -402,9 +406,9 @@ class FlashAttentionForwardSm100:
         tiled_mma_pv: cute.TiledMma,
         tma_atom_Q: Optional[cute.CopyAtom],  # None: the KV cache's pack-GQA rows, gathered (load_cache)
         mQ: cute.Tensor,  # TMA coordinates; KV cache: q itself, (qb, s_q, h_q, d)
-        tma_atom_K: cute.CopyAtom,
+        tma_atom_K: Optional[cute.CopyAtom],  # None: one-row page pieces, gathered (_gather_rows)
         mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom,
+        tma_atom_V: Optional[cute.CopyAtom],
         mVt: cute.Tensor,  # V's TMA coordinates: (d, rows, ...); KV cache (rows, d, h_k, batch-or-page)
         mO: cute.Tensor,  # (s_q, d, h_q, b); varlen (total_q, d, h_q); KV cache (qb, s_q, h_q, d)
         mLSE: cute.Tensor,  # (s_q, h_q, b); varlen (h_q, total_q); KV cache (qb, h_q, s_q)
@@ -482,8 +486,13 @@ class FlashAttentionForwardSm100:
                           mma_thread, storage.mbar_q, cta_layout_vmnk=cta)
         else:
             pipe_q = tma_umma(self.q_stage, mbar=storage.mbar_q, tx_count=self.q_bytes)
-        pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
-        pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
+        if const_expr(self.gather_kv):
+            lanes = pipeline.CooperativeGroup(pipeline.Agent.Thread, 32)
+            pipe_k = make(pipeline.PipelineAsyncUmma, self.stages, lanes, mma_thread, storage.mbar_k, cta_layout_vmnk=cta)
+            pipe_v = make(pipeline.PipelineAsyncUmma, self.stages, lanes, mma_thread, storage.mbar_v, cta_layout_vmnk=cta)
+        else:
+            pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
+            pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
         # S and P: two buffers -- one Q tile: S_j in S[j % 2] (the next block's scores computed while
         # the softmax works on this one's); two Q tiles: S_t is tile t's, and only softmax
         # warpgroup t waits on (or arrives at) stage t, so 128 threads is each stage's count either
@@ -762,7 +771,11 @@ class FlashAttentionForwardSm100:
         problem, work, seqlen, _, n_block_min, n_blocks, _ = self._cache_tile(*cache_args)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if n_blocks > 0:
+        if const_expr(self.gather_kv):
+            if n_blocks > 0:
+                self._load_gathered(mQ, mK, mV, mPageTable, kv_len, sQ, sK, sV, pipe_q, pipe_k, pipe_v, q_state,
+                                    kv_state, problem, work, seqlen, n_block_min + n_blocks - 1, n_blocks)
+        elif n_blocks > 0:
             kv = KVLoader.create(cfg, self.paged, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, work.head,
                                  work.batch, 0, False, kv_len, self.page_rows)
             n_hi = n_block_min + n_blocks - 1
@@ -790,6 +803,99 @@ class FlashAttentionForwardSm100:
                 pipe_v.producer_acquire(kv_state)
                 kv.v(n_block, kv_state.index, pipe_v.producer_get_barrier(kv_state), page, within)
                 kv_state.advance()
+
+    @cute.jit
+    def _load_gathered(self, mQ, mK, mV, mPageTable, page_size, sQ, sK, sV, pipe_q, pipe_k, pipe_v, q_state, kv_state,
+                       problem, work, seqlen, n_hi, n_blocks):
+        """KV cache with one-row page pieces, the load warp: the tile's Q rows, then K_j and V_j row by
+        row from the highest block down (_gather_rows). A block's stages are handed over one block
+        late: the warp issues block j's K copies, then waits for block j - 1's (cp.async groups
+        complete in order: K and V a group each), fences them into the async proxy the tensor core
+        reads through and arrives, then issues block j's V; so one block's copies are in flight while
+        the previous block's land. Needs two stages per ring (every SM100 configuration has them)."""
+        lane = cute.arch.lane_idx()
+        pipe_q.producer_acquire(q_state)
+        gather_packed_q_warp(self.tile_rows, self.cfg.head_dim, mQ, sQ[None, None, 0], lane, work, seqlen, problem)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # cp.async writes are generic-proxy writes
+        pipe_q.producer_commit(q_state)
+        page_row = mPageTable[work.batch, None]
+        gK, gV = mK[None, None, work.head, None], mV[None, None, work.head, None]  # (page_size, d, pages)
+        prev = kv_state.clone()
+        for i in cutlass.range(n_blocks, unroll=1):
+            n_block = n_hi - i
+            pipe_k.producer_acquire(kv_state)
+            self._gather_rows(gK, sK[None, None, kv_state.index], page_row, page_size, n_block, lane)
+            cute.arch.cp_async_commit_group()
+            if i > 0:
+                # The previous block's K and V have landed (all groups but this K's): hand them over
+                # before waiting for a V stage, which the MMA warp frees only after its gemm with
+                # the previous K (with two stages, waiting first deadlocked: tests/test_sm100_handoffs.py).
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.fence_view_async_shared()
+                pipe_k.producer_commit(prev)
+                pipe_v.producer_commit(prev)
+            pipe_v.producer_acquire(kv_state)
+            self._gather_rows(gV, sV[None, None, kv_state.index], page_row, page_size, n_block, lane)
+            cute.arch.cp_async_commit_group()
+            prev = kv_state.clone()
+            kv_state.advance()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        pipe_k.producer_commit(prev)
+        pipe_v.producer_commit(prev)
+
+    @cute.jit
+    def _gather_rows(self, g, s, page_row, page_size, n_block, lane):
+        """Block n_block's tile_n rows of one head of a paged cache (g: (page_size, head_dim, pages))
+        into the stage s ((tile_n, head_dim), swizzled) with 16-byte cp.async by the load warp. Row r
+        is key n_block * tile_n + r: slot key % page_size of page page_table[key // page_size] (both
+        clamped into the table and the pool: a row past the sequence's keys reads some row of the
+        pool, which only feeds masked scores and V rows the MMA warp zeroes). Lane i looks up rows
+        i, i + 32, ... and computes their addresses once; row_copy gives lane t the column chunk
+        t % tpr of row t / tpr of each pass, which takes its row's address from the owning lane by a
+        (64-bit) shuffle."""
+        cfg = self.cfg
+        dtype = g.element_type
+        copy_atom, tiled, vec = row_copy(dtype, cfg.head_dim, 32)
+        tpr = threads_per_row(dtype, cfg.head_dim)
+        rows_per_pass = 32 // tpr
+        thr = tiled.get_slice(lane)
+        tKsK = thr.partition_D(s)
+        tKcK = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
+        owned = []
+        for k in cutlass.range_constexpr(cfg.tile_n // 32):
+            key = n_block * cfg.tile_n + k * 32 + lane
+            entry = key // page_size
+            slot = key - entry * page_size
+            entry = cutlass.max(cutlass.min(entry, page_row.shape[0] - 1), 0)
+            page = cutlass.max(cutlass.min(page_row[entry], g.shape[2] - 1), 0)
+            owned.append((g.iterator + cute.crd2idx((slot, 0, page), g.layout)).toint())
+        passes_per_group = 32 // rows_per_pass  # tpr divides 32: a pass's rows are one lane group's
+        for k in cutlass.range_constexpr(cfg.tile_n // 32):
+            # Rows 32 k + [0, 32), rows_per_pass a pass. Unrolled (static shared-memory addresses)
+            # up to 16 passes a group; past that (head_dim 256: 32) ptxas hoisted the shuffles of many
+            # passes and the 104-register load warp spilled, so the loop stays rolled (by 4) there.
+            # Rolled at head_dim 96, it spilled the other way (each stage's swizzled addresses hoisted).
+            if const_expr(passes_per_group <= 16):
+                for mm in cutlass.range_constexpr(passes_per_group):
+                    self._gather_pass(copy_atom, vec, tKsK, tKcK, k * passes_per_group + mm,
+                                      cute.arch.shuffle_sync(owned[k], mm * rows_per_pass + lane // tpr), dtype)
+            else:
+                for mm in cutlass.range(passes_per_group, unroll=4):
+                    self._gather_pass(copy_atom, vec, tKsK, tKcK, k * passes_per_group + mm,
+                                      cute.arch.shuffle_sync(owned[k], mm * rows_per_pass + lane // tpr), dtype)
+
+    @cute.jit
+    def _gather_pass(self, copy_atom, vec: cutlass.Constexpr[int], tKsK, tKcK, m, row_addr, dtype: cutlass.Constexpr):
+        """One pass of _gather_rows: the lane's column chunks of the row at `row_addr` into pass m."""
+        src_row = cute.make_tensor(cute.make_ptr(dtype, row_addr, cute.AddressSpace.gmem, assumed_align=16),
+                                   (self.cfg.head_dim,))
+        src = cute.tiled_divide(src_row, (vec,))
+        for c in cutlass.range_constexpr(cute.size(tKsK, mode=[2])):
+            # The lane's column chunks are the same in every pass (row_thread_layout).
+            cute.copy(copy_atom, src[None, tKcK[0, 0, c][1] // vec], tKsK[None, m, c])
 
     def _mma_operands(self, tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV):
         """(tSrQ, tSrK, tOrV): the gemms' shared-memory operands. Dense and varlen allocate them in

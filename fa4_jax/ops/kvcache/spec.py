@@ -129,9 +129,9 @@ class KVCacheVariant(AttentionVariant):
                    paged="paged" in parts[4:], tile_m=tile_m, page_rows=page_rows, kv_fp8="kvfp8" in parts[4:])
 
 
-# Rows per paged piece each architecture's kernel has: the one-row gather (page sizes that are not
-# multiples of PAGE_ROWS) is SM90's only so far; on Blackwell such a call takes cuDNN or the reference.
-PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": (PAGE_ROWS,)}
+# Rows per paged piece each architecture's kernel has: 16-row TMA pieces, and the one-row gather for
+# page sizes that are not multiples of PAGE_ROWS (SM90: the producer warpgroup; SM100: the load warp).
+PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": PAGE_ROWS_CHOICES}
 # Cache dtypes each architecture's KV-cache kernels are built for. Blackwell's: bfloat16, the cache
 # dtype of the serving engines, so that the default build stays within its 15 minutes on 2 cores
 # (440 variants took 870-948 s with fp16 too; docs/PERF.md); an fp16 call takes cuDNN or the reference.
