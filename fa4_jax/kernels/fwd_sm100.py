@@ -64,7 +64,8 @@ architectures. A tile's rows are pack-GQA rows (query, q-head of the KV head), t
 K block, gathers the tile's Q rows with cp.async (a runtime division maps rows to q rows: no TMA box)
 and hands them to the MMA warp through an mbarrier, then streams K/V blocks by TMA: whole blocks from
 a contiguous cache, 16-row pieces from the pages a page table names (loaders.KVLoader, as on SM90),
-or -- page sizes that are not multiples of 16 -- row by row with cp.async (_load_gathered). The operands live in (rows, head_dim) shared-memory views that the gathers and page pieces address;
+or -- page sizes that are not multiples of 16 -- row by row with cp.async (_load_gathered). The
+operands live in (rows, head_dim) shared-memory views that the gathers and page pieces address;
 the MMA warp partitions the same views into its operands (_mma_operands). V rows past a sequence's
 last key are zeroed before that block's P.V gemm (cache slots past a length may hold anything). The
 softmax hands each row's LSE to the correction warpgroup, which stores O and the LSE -- the final
@@ -488,8 +489,10 @@ class FlashAttentionForwardSm100:
             pipe_q = tma_umma(self.q_stage, mbar=storage.mbar_q, tx_count=self.q_bytes)
         if const_expr(self.gather_kv):
             lanes = pipeline.CooperativeGroup(pipeline.Agent.Thread, 32)
-            pipe_k = make(pipeline.PipelineAsyncUmma, self.stages, lanes, mma_thread, storage.mbar_k, cta_layout_vmnk=cta)
-            pipe_v = make(pipeline.PipelineAsyncUmma, self.stages, lanes, mma_thread, storage.mbar_v, cta_layout_vmnk=cta)
+            pipe_k = make(pipeline.PipelineAsyncUmma, self.stages, lanes, mma_thread, storage.mbar_k,
+                          cta_layout_vmnk=cta)
+            pipe_v = make(pipeline.PipelineAsyncUmma, self.stages, lanes, mma_thread, storage.mbar_v,
+                          cta_layout_vmnk=cta)
         else:
             pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
             pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
@@ -1237,7 +1240,8 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def _softmax_block(self, masked: cutlass.Constexpr[bool], j, n_block, row_max, row_sum, s_state, p_state, sc_state,
-                       t2r, tS0, s_step: cutlass.Constexpr[int], tScS, r2t, tPt0, tPr_shape, p_chunk: cutlass.Constexpr[int],
+                       t2r, tS0, s_step: cutlass.Constexpr[int], tScS, r2t, tPt0, tPr_shape,
+                       p_chunk: cutlass.Constexpr[int],
                        pipe_s, pipe_p, pipe_scale, sScale, softmax_scale_log2, softcap_prescale, blocks, row, tidx,
                        fma_per_16: cutlass.Constexpr[int], mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE,
                        batch):
