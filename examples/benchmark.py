@@ -85,9 +85,9 @@ def kernel_device(family: str = "fwd"):
 
 
 def kvcache_page_sizes(device, sizes) -> tuple:
-    """The page sizes of `sizes` that the default build's KV-cache kernels serve on `device`: every
-    size on Hopper; on Blackwell, whose kernels read pages in 16-row pieces only so far, multiples of
-    16 (another size would run cuDNN or the reference, not the kernel being timed)."""
+    """The page sizes of `sizes` that the default build's KV-cache kernels serve on `device` (every
+    size on Hopper and Blackwell: 16-row pieces or rows); with a menu that lacks the one-row pieces,
+    multiples of 16 (another size would run cuDNN or the reference, not the kernel being timed)."""
     from fa4_jax.core import platform as _platform
     from fa4_jax.families import default_menu
     from fa4_jax.ops.kvcache.spec import KVCacheVariant, page_rows_for

@@ -10,8 +10,8 @@ exists or `nvidia-smi -L` lists one), or anywhere with FA4_JAX_REQUIRE_GPU=1,
 - a variant of the default menu missing from the library fails the test that needs it
   (`require_variant`), unless the library was built from an explicitly narrowed menu (FA4_JAX_VARIANTS
   at build time, recorded in the library's fa4_menu.json), or the GPU's architecture has no kernel of
-  that kind (no kernels of the family at all, or -- Blackwell's KV-cache kernels, which read pages in
-  16-row pieces only -- not this one, which another architecture has) -- the reasons a kernel case
+  that kind (no kernels of the family at all, or -- Blackwell's KV-cache kernels, which are bf16
+  only -- not this one, which another architecture has) -- the reasons a kernel case
   may skip; the skip reason names which.
 
 GPU tests name the variants they need with `device_arch()` (the GPU's kernel architecture), so the
@@ -127,7 +127,7 @@ def require_variant(built, variant) -> None:
         kin = [v for v in default_menu() if dataclasses.replace(v, arch=variant.arch) == variant]
         if kin:
             # Another architecture has this kind of kernel, the device's not yet (issue 16: Blackwell's
-            # KV-cache kernels read pages in 16-row pieces only); the call would take cuDNN or the reference.
+            # KV-cache kernels are bf16 only); the call would take cuDNN or the reference.
             pytest.skip(f"{variant.symbol}: {variant.arch} has no kernel of this kind yet ({kin[0].symbol} is "
                         f"{kin[0].arch}'s)")
         pytest.fail(f"{variant.symbol} is not in the default menu: the test asks for a kernel no build has",
