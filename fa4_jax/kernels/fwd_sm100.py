@@ -1148,12 +1148,9 @@ class FlashAttentionForwardSm100:
         (_softmax_states) carry over from the CTA's previous tile; returned advanced."""
         cfg = self.cfg
         tmap = cfg.tmem_map
-        dtype_p = self.dtype  # P has V's type: the P.V gemm's A operand
         # Two Q tiles: this warpgroup's tile t (runtime: one copy of the code serves both) owns S_t, P_t
         # and the row-scale slots t, t + 2; its pipeline states start at stage t and step by q_stage.
-        t = tidx // cfg.tile_m if const_expr(self.q_stage == 2) else 0
-        if const_expr(self.q_stage == 2):
-            tidx = tidx % cfg.tile_m
+        t, tidx = self._softmax_lane(tidx)
         ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition.x32), Float32)
         tS0 = cute.make_tensor(base + tmap["S0"][0], s_acc.layout)[((None, None), 0, 0)]
         s_step = tmap["S1"][0] - tmap["S0"][0]
@@ -1231,10 +1228,16 @@ class FlashAttentionForwardSm100:
                                  mSequsedK, num_batch)
         return s_state, p_state, sc_state
 
+    def _softmax_lane(self, tidx):
+        """(Q tile, row in it) of softmax thread tidx: warpgroup t owns tile t with two Q tiles."""
+        if const_expr(self.q_stage == 2):
+            return tidx // self.cfg.tile_m, tidx % self.cfg.tile_m
+        return 0, tidx
+
     def _softmax_states(self, tidx):
         """A softmax warpgroup's (S, P, row scale) states before its first tile (_tile_state): with two
         Q tiles, warpgroup tidx // 128 takes that tile's stages."""
-        t = tidx // self.cfg.tile_m if const_expr(self.q_stage == 2) else 0
+        t, _ = self._softmax_lane(tidx)
         return (self._tile_state(2, t, producer=False), self._tile_state(2, t, producer=True),
                 self._tile_state(2 * self.q_stage, t, producer=True))
 
