@@ -52,6 +52,13 @@ WINDOW = (61, 7)
 SOFTCAP = 30.0
 
 
+def call_params(jnp, variant):
+    """(dtype, causal, window_size, softcap) with which the checks call a variant: its mask kind as a
+    causal mask or the WINDOW, SOFTCAP for its softcap variants."""
+    return ({"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype], variant.mask == "causal",
+            WINDOW if variant.mask == "local" else (-1, -1), SOFTCAP if variant.softcap else 0.0)
+
+
 def verdict(correct: list[str], ratios: list[float]) -> str:
     """One configuration's verdict from its failures (empty: all passed) and its speed ratios to cuDNN
     (ours / cuDNN TFLOP/s; empty when cuDNN runs none of its calls)."""
@@ -91,10 +98,7 @@ def oracle(q, k, v, rows, causal: bool, window, softcap: float, heads: int):
 
 def check_variant(fa4_jax, jax, jnp, variant, shapes, seed: int) -> list[str]:
     """Failures of one variant over `shapes` ((b, s_q, s_k, h_q, h_k) each), two input sets each."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
-    causal = variant.mask == "causal"
-    window = WINDOW if variant.mask == "local" else (-1, -1)
-    softcap = SOFTCAP if variant.softcap else 0.0
+    dtype, causal, window, softcap = call_params(jnp, variant)
     fn = jax.jit(lambda q, k, v: fa4_jax.attention(q, k, v, causal=causal, window_size=window, softcap=softcap,
                                                    return_lse=True, implementation="fa4"))
     failures = []
@@ -132,10 +136,7 @@ EVERY_TILE_SHAPE = (1, 1040, 1040, 64, 8)
 def check_every_tile(fa4_jax, jax, jnp, variant, seed: int, shape=EVERY_TILE_SHAPE) -> list[str]:
     """Failures of one dense variant on `shape`, every output row and head against the library's
     float32 reference (implementation="xla"): tiles a persistent CTA takes second or third."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
-    causal = variant.mask == "causal"
-    window = WINDOW if variant.mask == "local" else (-1, -1)
-    softcap = SOFTCAP if variant.softcap else 0.0
+    dtype, causal, window, softcap = call_params(jnp, variant)
     b, s_q, s_k, h_q, h_k = shape
     keys = jax.random.split(jax.random.key(seed), 3)
     q, k, v = (jax.random.normal(kk, (b, s, h, variant.head_dim), jnp.float32).astype(dtype)
@@ -167,10 +168,7 @@ VARLEN_PAD = 5  # query rows past cu_seqlens_q[b]: o = 0, lse = -inf
 def check_varlen_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) -> list[str]:
     """Failures of one varlen variant: VARLEN_LENS self-attention sequences (cu_seqlens_q ==
     cu_seqlens_k) against the oracle, the padding rows, and isolation from the other sequences' K/V."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
-    causal = variant.mask == "causal"
-    window = WINDOW if variant.mask == "local" else (-1, -1)
-    softcap = SOFTCAP if variant.softcap else 0.0
+    dtype, causal, window, softcap = call_params(jnp, variant)
     h_q, h_k = heads
     cu = np.concatenate([[0], np.cumsum(VARLEN_LENS)]).astype(np.int32)
     total = int(cu[-1])
@@ -255,8 +253,7 @@ def check_kvcache_variant(fa4_jax, jax, jnp, variant, seed: int, heads=(8, 2)) -
     without splits: the one `local` kernel serves all three); each sequence against the oracle, the
     empty one o = 0 / lse = -inf, and NaN in every slot past a sequence's length (and in pages no
     sequence owns) must leave the outputs bit for bit unchanged."""
-    dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[variant.dtype]
-    softcap = SOFTCAP if variant.softcap else 0.0
+    dtype, _, _, softcap = call_params(jnp, variant)
     h_q, h_k = heads
     s_q = 3 if variant.tile_m == 64 else 40  # x 4 q-heads per KV head: 12 rows (tile 64), 160 (tile 128)
     lens = kv_lengths(s_q)
