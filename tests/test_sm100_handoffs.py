@@ -160,7 +160,7 @@ def _pv(c: Cta, tile: int, n: int, t: int, j: int, buf: int, v_index: int, prev_
     assert c.p[buf] == ("P", tile, t, j), ("P", buf, c.p[buf], tile, t, j)
     assert c.v[v_index] == ("V", tile, block(n, j)), (c.v, v_index, tile, j)
     if j == 0:
-        assert c.o_ready[t] == (None if prev_tile is None else prev_tile), ("O overwritten", t, c.o_ready[t])
+        assert c.o_ready[t] == prev_tile, ("O overwritten", t, c.o_ready[t])
         c.o[t] = (tile, [0])
     else:
         assert c.o_ready[t] == (tile, j - 1), ("O not rescaled", t, j, c.o_ready)
