@@ -126,8 +126,8 @@ def require_variant(built, variant) -> None:
     if variant not in default_menu():
         kin = [v for v in default_menu() if dataclasses.replace(v, arch=variant.arch) == variant]
         if kin:
-            # Another architecture has this kind of kernel, the device's not yet (issue 16: Blackwell's
-            # KV-cache kernels are bf16 only); the call would take cuDNN or the reference.
+            # Another architecture has this kind of kernel, the device's not yet (FP8 caches: Hopper
+            # only, spec.FP8_ARCHES); the call would take the reference.
             pytest.skip(f"{variant.symbol}: {variant.arch} has no kernel of this kind yet ({kin[0].symbol} is "
                         f"{kin[0].arch}'s)")
         pytest.fail(f"{variant.symbol} is not in the default menu: the test asks for a kernel no build has",

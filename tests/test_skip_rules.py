@@ -3,6 +3,7 @@ green on a broken setup), and the end-of-run count of kernel cases per family (a
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import types
 from pathlib import Path
@@ -133,14 +134,14 @@ def test_a_family_without_kernels_for_the_gpus_arch_skips(monkeypatch):
 
 
 def test_a_kernel_kind_the_gpus_arch_lacks_skips():
-    # Blackwell's KV-cache kernels are bfloat16 only (spec.DTYPES_BY_ARCH): an fp16 case skips on a
-    # Blackwell GPU, naming the SM90 kernel that exists.
-    fp16 = KVCacheVariant("sm100", "fp16", 128, "local", False, True, 64, 1)
-    assert KVCacheVariant("sm100", "bf16", 128, "local", False, True, 64, 1) in families_menu()
-    with pytest.raises(pytest.skip.Exception, match=r"fa4_kvcache_sm100_fp16_hd128_local_paged_rows1: sm100 has no "
-                                                    r"kernel of this kind yet \(fa4_kvcache_sm90_fp16_hd128_local_"
-                                                    r"paged_rows1 is sm90's\)"):
-        gpu_menu.require_variant(frozenset([HAVE]), fp16)
+    # FP8 caches have Hopper kernels only (spec.FP8_ARCHES): an FP8 case skips on a Blackwell GPU, naming
+    # the SM90 kernel that exists.
+    fp8 = KVCacheVariant("sm100", "bf16", 128, "local", False, True, 64, 1, kv_fp8=True)
+    assert dataclasses.replace(fp8, kv_fp8=False) in families_menu()
+    with pytest.raises(pytest.skip.Exception, match=r"fa4_kvcache_sm100_bf16_hd128_local_paged_rows1_kvfp8: sm100 "
+                                                    r"has no kernel of this kind yet \(fa4_kvcache_sm90_bf16_hd128_"
+                                                    r"local_paged_rows1_kvfp8 is sm90's\)"):
+        gpu_menu.require_variant(frozenset([HAVE]), fp8)
 
 
 def families_menu():

@@ -205,13 +205,12 @@ def test_opt_in_cells():
         entry = support._entry(c["entry_point"])
         v = entry.variant(c["device"], c["dtype"], c["head_dim"], c["mask"], c["softcap"], c["seqlens"], c["page_size"])
         assert c["opt_in"] == (v.symbol in menu), c
-    # Every entry point has SM100 kernels (issue 16); the KV-cache ones are bfloat16 only
-    # (spec.DTYPES_BY_ARCH), at every page size (16-row pieces or rows: spec.PAGE_ROWS_BY_ARCH).
+    # Every entry point has SM100 kernels (issue 16), the KV-cache ones in both dtypes at every page size
+    # (16-row pieces or rows: spec.PAGE_ROWS_BY_ARCH).
     assert {c["entry_point"] for c in cells if c["opt_in"]} == {e.name for e in support.ENTRY_POINTS}
     kv = [c for c in cells if c["entry_point"].startswith("attention_with_kvcache")]
-    assert not any(c["opt_in"] for c in kv if c["dtype"] == "fp16")
-    paged = [c for c in kv if c["page_size"] is not None and c["dtype"] == "bf16"]
-    assert paged and all(c["opt_in"] for c in paged)
+    paged = [c for c in kv if c["page_size"] is not None]
+    assert {c["dtype"] for c in paged} == {"bf16", "fp16"} and all(c["opt_in"] for c in paged)
 
 
 def test_cpu_cells_are_the_reference(default_menu_library):

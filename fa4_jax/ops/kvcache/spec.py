@@ -132,10 +132,6 @@ class KVCacheVariant(AttentionVariant):
 # Rows per paged piece each architecture's kernel has: 16-row TMA pieces, and the one-row gather for
 # page sizes that are not multiples of PAGE_ROWS (SM90: the producer warpgroup; SM100: the load warp).
 PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": PAGE_ROWS_CHOICES}
-# Cache dtypes each architecture's KV-cache kernels are built for. Blackwell's: bfloat16, the cache
-# dtype of the serving engines, so that the default build stays within its 15 minutes on 2 cores
-# (440 variants took 870-948 s with fp16 too; docs/PERF.md); an fp16 call takes cuDNN or the reference.
-DTYPES_BY_ARCH = {"sm90": DTYPES, "sm100": ("bf16",)}
 # FP8 caches (issue 17): Hopper decode tiles (tile_m 64, which also serve prefill chunks as several
 # tiles per sequence: api._tile_m), at the head dims of the common models, so that the default build
 # grows by 24 variants, not 120. Other calls on FP8 caches run the exact reference (api.py).
@@ -160,7 +156,7 @@ def default_menu() -> tuple[KVCacheVariant, ...]:
     wide = tuple(
         KVCacheVariant(arch, dtype, hd, MASK, softcap, paged, tile_m, page_rows)
         for arch in ARCHES
-        for dtype in DTYPES_BY_ARCH[arch]
+        for dtype in DTYPES
         for hd in HEAD_DIMS
         for softcap in (False, True)
         for paged in (False, True)
