@@ -93,6 +93,11 @@ def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     ops = sass.opcode_counts(text)
     for op in ("UTCHMMA", "UTCBAR", "LDTM", "STTM", "USETMAXREG", "MUFU"):
         assert ops[op] > 0, (op, sorted(ops.items()))
+    # Tensor Memory allocated (tcgen05.alloc: UTCATOMSWS.FIND_AND_SET), the permit relinquished
+    # (UVIRTCOUNT) and freed (tcgen05.dealloc: UTCATOMSWS.AND). TmemAllocator acts only in its
+    # allocator warp: when that was not the MMA warp, the allocation compiled to nothing.
+    for pattern in (r"UTCATOMSWS\.FIND_AND_SET", r"UVIRTCOUNT\.DEALLOC", r"UTCATOMSWS\.AND\b"):
+        assert re.search(pattern, text), (pattern, sorted(ops.items()))
     # K/V by TMA, except one-row page pieces: rows gathered by the load warp's cp.async (LDGSTS).
     rows1 = sm100_attention_obj.stem.endswith("_rows1")
     assert (ops["UTMALDG"] == 0) == rows1, sorted(ops.items())

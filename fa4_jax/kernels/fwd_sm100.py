@@ -509,9 +509,12 @@ class FlashAttentionForwardSm100:
         cute.arch.sync_threads()
 
         # --- Tensor Memory: allocated by the MMA warp, its address read by every role that uses it.
+        # TmemAllocator's allocate / relinquish / free act only in its allocator warp (warp 0 unless
+        # told): without allocator_warp_id the MMA warp's calls compiled to nothing.
         tmem = TmemAllocator(storage.tmem_holding.ptr,
                              barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_BAR_TMEM_ALLOC,
-                                                                        num_threads=self.tmem_threads))
+                                                                        num_threads=self.tmem_threads),
+                             allocator_warp_id=self.mma_warp)
         thr_qk = tiled_mma_qk.get_slice(0)
         thr_pv = tiled_mma_pv.get_slice(0)
         s_acc = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
