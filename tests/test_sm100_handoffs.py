@@ -168,7 +168,9 @@ def _pv(c: Cta, tile: int, n: int, t: int, j: int, buf: int, v_index: int, prev_
     c.p[buf] = None
 
 
-def mma(c: Cta):
+def mma(c: Cta, parity: bool = False):
+    """`parity`: S and P buffers chosen by the block's parity (j % 2), as the one-tile kernel did
+    until 2026-12-05, instead of the pipeline stage -- a mutant for the test below."""
     q_state = State(c.q_stage, False)
     kv, vs = State(c.stages, False), State(c.stages, False)
     s_state, p_state, o_state = State(2, True), State(2, False), State(c.q_stage, True)
@@ -183,7 +185,7 @@ def mma(c: Cta):
                 if j < n:
                     yield c.pipe_k.consumer_wait(kv)
                     yield c.pipe_s.producer_acquire(s_state)
-                    _qk(c, tile, n, 0, j, s_state.index, kv.index)
+                    _qk(c, tile, n, 0, j, j % 2 if parity else s_state.index, kv.index)
                     c.pipe_k.consumer_release(kv)
                     c.pipe_s.producer_commit(s_state)
                     s_state.advance()
@@ -192,7 +194,7 @@ def mma(c: Cta):
                     yield c.pipe_p.consumer_wait(p_state)
                     yield c.pipe_v.consumer_wait(vs)
                     yield c.pipe_o.producer_acquire(o_state)
-                    _pv(c, tile, n, 0, j - 1, p_state.index, vs.index, prev)
+                    _pv(c, tile, n, 0, j - 1, (j - 1) % 2 if parity else p_state.index, vs.index, prev)
                     c.pipe_v.consumer_release(vs)
                     c.pipe_p.consumer_release(p_state)
                     c.pipe_o.producer_commit(o_state)
@@ -289,9 +291,9 @@ def correction(c: Cta):
 
 
 def run(q_stage: int, stages: int, tiles: list[int], seed: int, softmax_step: int | None = None,
-        gather: bool = False):
+        gather: bool = False, mma_parity: bool = False):
     c = Cta(q_stage, stages, tiles, gather)
-    roles = {"load": load(c), "mma": mma(c), "correction": correction(c)}
+    roles = {"load": load(c), "mma": mma(c, mma_parity), "correction": correction(c)}
     roles.update({f"softmax{t}": softmax(c, t, softmax_step) for t in range(q_stage)})
     waiting = {name: None for name in roles}
     rng = random.Random(seed)
@@ -353,3 +355,14 @@ def test_the_model_catches_a_wrong_stage_step():
         except AssertionError:
             failures += 1
     assert failures == 20
+
+
+def test_the_model_catches_buffers_chosen_by_block_parity():
+    """The one-tile MMA warp chose S and P buffers by the block's parity while the softmax took the
+    pipeline stage. One tile per CTA agrees either way (both start at stage 0), which is why only a
+    persistent CTA (head_dim 192/256 full attention) after a tile of odd length would have read the
+    wrong S: the model must fail there and pass with one tile."""
+    for seed in range(10):
+        run(1, 3, [3], seed, mma_parity=True)
+        with pytest.raises(AssertionError):
+            run(1, 3, [3, 1, 2], seed, mma_parity=True)

@@ -917,7 +917,7 @@ class FlashAttentionForwardSm100:
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tS0, s_step: cutlass.Constexpr[int], tO,
             o_step: cutlass.Constexpr[int], tP0, p_step: cutlass.Constexpr[int], pipe_q, pipe_k, pipe_v, pipe_s, pipe_p,
             pipe_o, n_blocks, thr_qk, thr_pv, keys_in_first, states):
-        """One thread issues every gemm of the tile: S_j = Q K_j^T into S[j % 2], then
+        """One thread issues every gemm of the tile: S_j = Q K_j^T into S's next stage, then
         O (+)= P_(j-1) V_(j-1) once the softmax has written P_(j-1) and the correction has rescaled O.
         `keys_in_first`: the sequence's keys in the first (highest) block; varlen and the KV cache
         zero V's rows past them before that block's P.V gemm. Two Q tiles per CTA: mma_two_tiles.
@@ -937,11 +937,13 @@ class FlashAttentionForwardSm100:
                     pipe_q.consumer_release(q_state)
                     q_state.advance()
                 if j < n_blocks:
-                    # S_j = Q K_j^T into S[j % 2] (free once the softmax has read S_(j-2)).
+                    # S_j = Q K_j^T into S's stage (free once the softmax has read S_(j-2)). The
+                    # buffer is the pipeline stage, not j's parity: the states carry over a
+                    # persistent CTA's tiles, and after a tile of odd length stage 1 comes first.
                     pipe_k.consumer_wait(kv_state)
                     pipe_s.producer_acquire(s_state)
                     with cute.arch.elect_one():
-                        self._gemm(tiled_mma_qk, self._stage(tS0, s_step, j % 2), tSrQ[None, None, None, 0],
+                        self._gemm(tiled_mma_qk, self._stage(tS0, s_step, s_state.index), tSrQ[None, None, None, 0],
                                    tSrK[None, None, None, kv_state.index])
                     # Commits complete in issue order once the gemm has: the stage's release
                     # first, so that the kernel's last arrive is one a consumer waits for (none
@@ -963,7 +965,7 @@ class FlashAttentionForwardSm100:
                                 self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
                     pipe_o.producer_acquire(o_state)
                     with cute.arch.elect_one():
-                        self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, (j - 1) % 2),
+                        self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, p_state.index),
                                    tOrV[None, None, None, v_state.index], accumulate=j > 1)
                     pipe_v.consumer_release(v_state)
                     pipe_p.consumer_release(p_state)
