@@ -549,6 +549,9 @@ class FlashAttentionForwardSm100:
             tO = cute.make_tensor(base + tmap["O0"][0], o_acc.layout)
             o_step = tmap["O1"][0] - tmap["O0"][0] if const_expr(self.q_stage == 2) else 0
             # P as the P.V gemm's A operand in TMEM; its iterator counts P elements, two per column.
+            # The fragment keeps `base`'s layout, not its address (the SASS has absolute columns):
+            # right because the allocation starts at column 0, one CTA per SM taking the register
+            # file (config_sm100: the budgets fill SM100_REGS) and every column it allocates.
             tP = thr_pv.make_fragment_A(cute.make_tensor(base, tP_layout.outer))[None, None, None, 0]
             per_col = Float32.width // mO.element_type.width
             tP0 = cute.make_tensor(tP.iterator + per_col * tmap["P0"][0], tP.layout)
@@ -942,6 +945,7 @@ class FlashAttentionForwardSm100:
                     # persistent CTA's tiles, and after a tile of odd length stage 1 comes first.
                     pipe_k.consumer_wait(kv_state)
                     pipe_s.producer_acquire(s_state)
+                    _tcgen05_fence_after()  # the softmax's reads of this buffer came before
                     with cute.arch.elect_one():
                         self._gemm(tiled_mma_qk, self._stage(tS0, s_step, s_state.index), tSrQ[None, None, None, 0],
                                    tSrK[None, None, None, kv_state.index])
@@ -964,6 +968,7 @@ class FlashAttentionForwardSm100:
                             else:
                                 self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
                     pipe_o.producer_acquire(o_state)
+                    _tcgen05_fence_after()  # P's stores and O's rescale (tcgen05.st) came before
                     with cute.arch.elect_one():
                         self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, p_state.index),
                                    tOrV[None, None, None, v_state.index], accumulate=j > 1)
@@ -1022,6 +1027,7 @@ class FlashAttentionForwardSm100:
                         # O_t (rescaled, when the max moved).
                         pipe_p.consumer_wait(p_state)
                         pipe_o.producer_acquire(o_state)
+                        _tcgen05_fence_after()
                         with cute.arch.elect_one():
                             self._gemm(mmas[t][1], self._stage(tO, o_step, t), self._stage(tP0, p_step, t),
                                        tOrV[None, None, None, v_state.index], accumulate=j > 1)
@@ -1041,6 +1047,7 @@ class FlashAttentionForwardSm100:
                         # S_t = Q_t K_j^T (S_t free: softmax t read it before writing P_t, which the
                         # P.V gemm above waited for).
                         pipe_s.producer_acquire(s_state)
+                        _tcgen05_fence_after()
                         with cute.arch.elect_one():
                             self._gemm(mmas[t][0], self._stage(tS0, s_step, t), tSrQ[None, None, None, t],
                                        tSrK[None, None, None, kv_state.index])
@@ -1303,7 +1310,10 @@ class FlashAttentionForwardSm100:
                                                                       fastmath=True)
         row_max = new_max
         max_scaled = 0.0 if row_max == -Float32.inf else row_max * softmax_scale_log2
-        # S is in registers (tcgen05.wait::ld above): its buffer may take P now.
+        # S is in registers (tcgen05.wait::ld above): its buffer may take P now. tcgen05.fence
+        # before each hand-over of Tensor Memory to the MMA warp, which fences after its wait: the
+        # PTX ISA's pattern for tcgen05 accesses ordered through a thread synchronization.
+        _tcgen05_fence_before()
         pipe_s.consumer_release(s_state)
         s_state.advance(self.q_stage)
         # P over the upper half of S_(j % 2) (two Q tiles: of S_t), as 32-bit pairs.
@@ -1326,6 +1336,7 @@ class FlashAttentionForwardSm100:
             cute.copy(r2t, rP32, r2t.partition_D(cute.make_tensor(tPdst.iterator + c * p_chunk, tPdst.layout)))
         row_sum = row_sum * scale + block_sum
         cute.arch.fence_view_async_tmem_store()
+        _tcgen05_fence_before()
         pipe_p.producer_commit(p_state)
         p_state.advance(self.q_stage)
         if j > 0:
