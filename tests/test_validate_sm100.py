@@ -89,6 +89,34 @@ def test_every_tile_check_names_the_wrong_heads():
     assert tool.EVERY_TILE_SHAPE[3] * -(-tool.EVERY_TILE_SHAPE[1] // 256) > 148  # more tiles than B200 SMs
 
 
+SMALL_SINKS = (1, 37, 37, len(tool.SINKS), 2)
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "local"])
+def test_sinks_check_passes_a_correct_implementation(mask):
+    from fa4_jax.families import FwdVariant
+
+    ref = _DenseImpl(lambda *a, **kw: fa4_jax.attention(*a, implementation="xla", **kw))
+    assert tool.check_sinks(ref, jax, jnp, FwdVariant("sm100", "bf16", 64, mask, False), seed=4, shape=SMALL_SINKS) == []
+
+
+def test_sinks_check_catches_a_nan_for_an_infinite_sink_and_dropped_sinks():
+    from fa4_jax.families import FwdVariant
+
+    variant = FwdVariant("sm100", "bf16", 64, "causal", False)
+
+    def inf_sink_nan(q, k, v, sinks=None, **kw):  # the SM100 kernel's normalisation until 2026-12-05
+        o, lse = fa4_jax.attention(q, k, v, sinks=sinks, implementation="xla", **kw)
+        inf = jnp.isposinf(sinks)
+        return jnp.where(inf[None, None, :, None], jnp.nan, o), jnp.where(inf[None, :, None], jnp.nan, lse)
+
+    failures = tool.check_sinks(_DenseImpl(inf_sink_nan), jax, jnp, variant, seed=5, shape=SMALL_SINKS)
+    assert len(failures) == 1 and "NaN in heads [0]" in failures[0], failures
+    no_sinks = _DenseImpl(lambda q, k, v, sinks=None, **kw: fa4_jax.attention(q, k, v, implementation="xla", **kw))
+    failures = tool.check_sinks(no_sinks, jax, jnp, variant, seed=5, shape=SMALL_SINKS)
+    assert len(failures) == 1 and "+inf sink must give o = 0" in failures[0], failures
+
+
 class _Impl:
     """fa4_jax with attention_varlen pinned to `implementation` (the reference, on this host)."""
 

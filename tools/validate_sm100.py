@@ -14,7 +14,9 @@ Correctness: for every built variant of the device's architecture in the dense f
 x mask x softcap), random normal inputs of odd sizes (GQA, seqlen_q == seqlen_k and a shorter query
 block against more keys), the output and LSE against a float64 NumPy oracle on sampled rows, every
 output finite, then a second call with other inputs (a kernel that keeps state between calls, or reads
-uninitialised shared memory, shows here). For every varlen variant, packed sequences of odd lengths
+uninitialised shared memory, shows here); with attention sinks per head (+inf, -inf, ordinary and
+dominating logits: a +inf sink must give o = 0, lse = +inf, never NaN) against the float32 reference;
+and, except with --quick, every row and head of a shape with more tiles than SMs. For every varlen variant, packed sequences of odd lengths
 (one empty, one of a single token) plus padding rows past cu_seqlens_q[b]: each sequence against the
 oracle, the padding rows o = 0 / lse = -inf, and every other sequence's K/V rows set to NaN must leave
 a sequence's output bit for bit unchanged (the kernel zeroes V rows past a sequence's last key). For
@@ -158,6 +160,45 @@ def check_every_tile(fa4_jax, jax, jnp, variant, seed: int, shape=EVERY_TILE_SHA
     bad = np.nonzero((err > REL_ERR_LIMIT) | (lse_err > LSE_ATOL))[0]
     if bad.size:
         return [f"{shape}: heads {bad[:8].tolist()} wrong (output error {err.max():.2e}, LSE error {lse_err.max():.2e})"]
+    return []
+
+
+# Attention sinks, one per q-head, with the special values: +inf takes the whole mass (o = 0,
+# lse = +inf), -inf is no sink, a large one dominates, the rest ordinary logits.
+SINKS = (float("inf"), float("-inf"), 0.5, -3.0, 2.0, 12.0, -0.7, 1.3)
+SINKS_SHAPE = (2, 333, 333, len(SINKS), 2)
+
+
+def check_sinks(fa4_jax, jax, jnp, variant, seed: int, shape=SINKS_SHAPE) -> list[str]:
+    """Failures of one dense variant with SINKS against the library's float32 reference: every row
+    and head, the +inf head exactly o = 0, lse = +inf, and no NaN anywhere."""
+    dtype, causal, window, softcap = call_params(jnp, variant)
+    b, s_q, s_k, h_q, h_k = shape
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q, k, v = (jax.random.normal(kk, (b, s, h, variant.head_dim), jnp.float32).astype(dtype)
+               for kk, s, h in zip(keys, (s_q, s_k, s_k), (h_q, h_k, h_k)))
+    sinks = jnp.asarray(SINKS[:h_q], jnp.float32)
+    outs = []
+    for impl in ("fa4", "xla"):
+        fn = jax.jit(lambda q, k, v, s, impl=impl: fa4_jax.attention(
+            q, k, v, causal=causal, window_size=window, softcap=softcap, sinks=s, return_lse=True,
+            implementation=impl))
+        try:
+            outs.append([np.asarray(x, np.float64) for x in jax.block_until_ready(fn(q, k, v, sinks))])
+        except Exception as e:  # noqa: BLE001 - an FFI error is a finding
+            return [f"sinks {shape}: the call failed ({impl}): {str(e).splitlines()[0][:120]}"]
+    (o, lse), (ref_o, ref_lse) = outs
+    if np.isnan(o).any() or np.isnan(lse).any():
+        heads = sorted({int(h) for h in np.nonzero(np.isnan(o))[2]} | {int(h) for h in np.nonzero(np.isnan(lse))[1]})
+        return [f"sinks {shape}: NaN in heads {heads}"]
+    inf_heads = [h for h in range(h_q) if SINKS[h] == float("inf")]
+    if inf_heads and not ((o[:, :, inf_heads] == 0).all() and np.isposinf(lse[:, inf_heads]).all()):
+        return [f"sinks {shape}: a +inf sink must give o = 0 and lse = +inf (heads {inf_heads})"]
+    rest = [h for h in range(h_q) if h not in inf_heads]
+    err = np.abs(o[:, :, rest] - ref_o[:, :, rest]).max() / max(np.abs(ref_o[:, :, rest]).max(), 1e-30)
+    lse_err = np.abs(lse[:, rest] - ref_lse[:, rest]).max()
+    if err > REL_ERR_LIMIT or lse_err > LSE_ATOL:
+        return [f"sinks {shape}: output error {err:.2e}, LSE error {lse_err:.2e}"]
     return []
 
 
@@ -372,6 +413,7 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore")  # the one-time "not yet validated" warning of the opt-in kernels
         for i, variant in enumerate(checked_dense):
             failures[variant.symbol] = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
+            failures[variant.symbol] += check_sinks(fa4_jax, jax, jnp, variant, seed=500 + i)
             if not args.quick:
                 failures[variant.symbol] += check_every_tile(fa4_jax, jax, jnp, variant, seed=i)
             status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]

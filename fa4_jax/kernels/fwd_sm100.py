@@ -78,7 +78,6 @@ split stay live into every role and spilled.
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
 from typing import Optional
 
@@ -102,7 +101,7 @@ from fa4_jax.kernels.loaders import (PAGE_ROWS, KVLoader, gather_packed_q_warp, 
                                      threads_per_row)
 from fa4_jax.kernels.seams import FwdSeams, KVLoad, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
-from fa4_jax.kernels.softmax import OnlineSoftmax
+from fa4_jax.kernels.softmax import OnlineSoftmax, finalize_row
 from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
 from fa4_jax.kernels.utils import permute_modes, transpose_2d
@@ -1221,13 +1220,8 @@ class FlashAttentionForwardSm100:
         else:
             sink = mSinks[head] * _LOG2E
         max_scaled = -Float32.inf if row_max == -Float32.inf else row_max * softmax_scale_log2
-        big = cute.arch.fmax(max_scaled, sink)
-        big_safe = 0.0 if big == -Float32.inf else big
-        total = row_sum * cute.math.exp2(max_scaled - big_safe, fastmath=True) if n_blocks > 0 else Float32(0.0)
-        total += cute.math.exp2(sink - big_safe, fastmath=True)
-        inv = 0.0 if total == 0.0 else cute.arch.rcp_approx(total) * cute.math.exp2(max_scaled - big_safe,
-                                                                                   fastmath=True)
-        lse = -Float32.inf if total == 0.0 else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+        # The Hopper kernel's normalisation (a +inf sink takes the whole mass: o = 0, lse = +inf).
+        inv, lse = finalize_row(row_sum, max_scaled, sink)
         if n_blocks > 0:
             pipe_scale.producer_acquire(sc_state)
             sScale[tidx, sc_state.index] = inv

@@ -105,23 +105,8 @@ class OnlineSoftmax:
         """
         inv = cute.make_rmem_tensor(self.row_max.layout, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            total = quad_allreduce_sum(self.row_sum[r])
-            m_scaled = self.row_max[r]
             sink = sink_log2[r] if const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
-            big = cute.arch.fmax(m_scaled, sink)
-            big_safe = 0.0 if big == -Float32.inf else big
-            o_scale = cute.math.exp2(m_scaled - big_safe, fastmath=True)
-            denom = total * o_scale + cute.math.exp2(sink - big_safe, fastmath=True)
-            empty = denom == 0.0
-            inv[r] = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
-            lse = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)
-            self.row_sum[r] = -Float32.inf if empty else lse
-            if sink == Float32.inf:
-                inv[r] = 0.0
-                self.row_sum[r] = Float32.inf
-            if sink != sink:
-                inv[r] = sink
-                self.row_sum[r] = sink
+            inv[r], self.row_sum[r] = finalize_row(quad_allreduce_sum(self.row_sum[r]), self.row_max[r], sink)
         return inv
 
     @staticmethod
@@ -145,3 +130,25 @@ class OnlineSoftmax:
         o_mn = acc_as_mn(acc_O)
         for r in cutlass.range_constexpr(cute.size(scale)):
             o_mn[r, None].store(o_mn[r, None].load() * scale[r])
+
+
+@cute.jit
+def finalize_row(total: Float32, m_scaled: Float32, sink: Float32):
+    """(O's factor, LSE in natural log) of one row, as OnlineSoftmax.finalize documents it: `total`
+    the row's running sum relative to its scaled max `m_scaled` (-inf: no key), `sink` the sink
+    logit times log2(e) (-inf: none). Every architecture's kernel normalises its rows with this."""
+    big = cute.arch.fmax(m_scaled, sink)
+    big_safe = 0.0 if big == -Float32.inf else big
+    o_scale = cute.math.exp2(m_scaled - big_safe, fastmath=True)
+    denom = total * o_scale + cute.math.exp2(sink - big_safe, fastmath=True)
+    empty = denom == 0.0
+    inv = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
+    lse = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)
+    lse = -Float32.inf if empty else lse
+    if sink == Float32.inf:
+        inv = 0.0
+        lse = Float32.inf
+    if sink != sink:
+        inv = sink
+        lse = sink
+    return inv, lse
