@@ -1348,7 +1348,7 @@ class FlashAttentionForwardSm100:
         at = blocks.seqlen  # dense: the rows are the tile's own
         if const_expr(self.varlen):
             at, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1], batch)
-        if row < blocks.seqlen.seqlen_q:
+        if self._row_stored(mLSE.shape[1], blocks.seqlen, row):
             self._store_lse(mLSE, at, row, head, batch, lse)
         if const_expr(self.varlen):
             if pad:
@@ -1405,7 +1405,7 @@ class FlashAttentionForwardSm100:
                         if last:
                             if const_expr(self.cache):
                                 self._store_cache_o(mO, mOaccum, rO, tOcO, c * chunk, dest, seqlen, work, problem)
-                            elif row < seqlen_q:
+                            elif self._row_stored(mO.shape[0], seqlen, row):
                                 out = self._o_row(mO, seqlen, row, head, batch)
                                 for i in cutlass.range_constexpr(cute.size(rO)):
                                     out[c * chunk + tOcO[i][1]] = rO[i].to(mO.element_type)
@@ -1420,7 +1420,7 @@ class FlashAttentionForwardSm100:
             # No key: O = 0 (the softmax wrote lse).
             for t in cutlass.range_constexpr(self.q_stage):
                 row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
-                if row < seqlen_q:
+                if self._row_stored(mO.shape[0], seqlen, row):
                     self._zero_o_row(mO, seqlen, row, head, batch)
                 if const_expr(self.varlen):
                     if pad:
@@ -1505,6 +1505,19 @@ class FlashAttentionForwardSm100:
         (the grid follows max_seqlen_q): each of its tiles writes its rows this far apart. Computed
         where used, from kernel parameters, so that nothing extra stays live through the mainloop."""
         return num_m_blocks * self.cta_rows
+
+    @cute.jit
+    def _row_stored(self, total_q, seqlen: SeqlenInfo, row) -> Boolean:
+        """Whether the tile's row `row` is one to store: below its sequence's length, and for varlen
+        inside the packed tensors' [0, total_q) -- cu_seqlens_q that break their contract (not
+        ascending, past total_q) must not make a store go out of bounds (the Hopper epilogue's
+        rule, epilogue_sm90.row_store). Dense rows are the tile's own (`total_q` unused)."""
+        stored = row < seqlen.seqlen_q
+        if const_expr(self.varlen):
+            at = seqlen.offset_q + row
+            if at < 0 or at >= total_q:
+                stored = Boolean(False)
+        return stored
 
     @cute.jit
     def _zero_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
