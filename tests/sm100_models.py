@@ -16,7 +16,8 @@ def fma32(a, b, c):
 
 
 def exp2_emulated(x: np.ndarray) -> np.ndarray:
-    """2^x for float32 x <= 0 the way the kernel's FMA path computes it."""
+    """2^x for float32 x <= RESCALE_THRESHOLD_LOG2 (a stale max lets a score exceed it by that much)
+    the way the kernel's FMA path computes it."""
     x_in = np.asarray(x, np.float32)
     # The kernel's max.f32 replaces NaN by EXP2_MIN_X too; the NaN is put back at the end.
     x = np.fmax(np.where(np.isnan(x_in), np.float32(EXP2_MIN_X), x_in), np.float32(EXP2_MIN_X))

@@ -65,6 +65,22 @@ def test_exp2_emulation_relative_error_over_the_softmax_range():
     np.testing.assert_array_equal(exp2_emulated(k), np.exp2(k))
 
 
+def test_exp2_emulation_above_zero_up_to_the_rescaling_headroom():
+    # The max the softmax subtracts may be stale (conditional rescaling): a score can exceed it by up
+    # to RESCALE_THRESHOLD_LOG2, so the FMA path also sees x in (0, threshold]. The exponent-field add
+    # works the same for a positive floor: the same relative error and bf16 agreement there.
+    x = np.concatenate([np.linspace(0.0, RESCALE_THRESHOLD_LOG2, 400_001, dtype=np.float32),
+                        np.nextafter(np.arange(1, RESCALE_THRESHOLD_LOG2 + 1, dtype=np.float32), np.float32(0))])
+    got = exp2_emulated(x).astype(np.float64)
+    exact = np.exp2(x.astype(np.float64))
+    rel = np.abs(got / exact - 1)
+    assert rel.max() <= 1e-4, (rel.max(), x[np.argmax(rel)])
+    same = to_bf16(got.astype(np.float32)) == to_bf16(exact.astype(np.float32))
+    assert same.mean() >= 0.99, same.mean()
+    k = np.arange(0, RESCALE_THRESHOLD_LOG2 + 1, dtype=np.float32)
+    np.testing.assert_array_equal(exp2_emulated(k), np.exp2(k))
+
+
 def test_exp2_emulation_flushes_below_the_normal_range_to_zero():
     # As MUFU's ex2.approx.ftz: a fully masked row (scores -inf) must keep an exact zero sum.
     assert exp2_emulated(np.float32(-1000.0)) == 0.0

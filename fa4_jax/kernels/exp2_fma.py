@@ -3,8 +3,8 @@ MUFU.EX2, whose 16 results per clock per SM bind at head_dim <= 128 on Blackwell
 
 The arithmetic and its constants are config_sm100's (EXP2_POLY, EXP2_MIN_X), modelled step for step
 in tests/sm100_models.py and checked there on the CPU: max relative error 9.4e-5, the bf16 rounding
-equal to that of the exact value on 99% of [-126, 0], 0 below -126 as MUFU's ex2.approx.ftz, NaN
-for NaN.
+equal to that of the exact value on 99% of [-126, 0] and of (0, 8] (scores above a stale max), 0
+below -126 as MUFU's ex2.approx.ftz, NaN for NaN.
 Arch-neutral PTX (add.rm, fma.rn, shl, selp): used by the SM100 kernel.
 """
 
@@ -55,8 +55,9 @@ _ASM = "\n\t".join([
 
 @dsl_user_op
 def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x for x <= 0 by a degree-3 polynomial on the FMA pipe (0 for x < EXP2_MIN_X and -inf, NaN for
-    NaN)."""
+    """2^x by a degree-3 polynomial on the FMA pipe, for the softmax's x <= RESCALE_THRESHOLD_LOG2 (a
+    stale max lets a score exceed it by that much; any x < 128 works): 0 for x < EXP2_MIN_X and
+    -inf, NaN for NaN."""
     return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], _ASM, "=f,f",
                                    has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
