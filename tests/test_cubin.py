@@ -27,6 +27,30 @@ def test_register_pool_fits_or_names_the_shortfall():
     assert register_pool_problem({COMBINE: {"regs": 33}}, 384, [240, 240, 24], "FlashAttentionForward") is None
 
 
+@pytest.mark.parametrize("head_dim,packed_rows,regs", [(128, None, 128), (256, None, 168), (128, 128, 168)])
+def test_the_build_checks_the_sm100_register_pool_too(monkeypatch, head_dim, packed_rows, regs):
+    # The SM100 roles' budgets (two softmax warpgroups: 2 x 208 + 56 + 40 = 4 x 128; one: 248 + 152 +
+    # 104 = 3 x 168) must fit the launch allocation as the SM90 ones do, or the kernel hangs: the
+    # exporter's check covers both configurations (it skipped SM100's until 2026-12-05).
+    import types
+    from pathlib import Path
+
+    from fa4_jax.aot import cubin, worker
+    from fa4_jax.families import FwdVariant
+    from fa4_jax.kernels.config_sm100 import sm100_fwd_config
+
+    cfg = sm100_fwd_config(head_dim, packed_rows=packed_rows)
+    kernel = types.SimpleNamespace(cfg=cfg, call=None)
+    module = types.SimpleNamespace(make_kernel=lambda variant: types.MethodType(lambda self: None, kernel))
+    variant = FwdVariant("sm100", "bf16", head_dim, "causal", False)
+    attn = "kernel_cutlass_kernel_fa4_jaxkernelsfwd_sm100FlashAttentionForwardSm100_x"
+    monkeypatch.setattr(cubin, "kernel_resources", lambda obj: {attn: {"regs": regs}})
+    worker._check_register_pool(module, variant, Path("unused.o"))
+    monkeypatch.setattr(cubin, "kernel_resources", lambda obj: {attn: {"regs": regs - 8}})
+    with pytest.raises(worker.AotError, match=rf"setmaxnreg budgets \[{', '.join(map(str, cfg.warpgroup_regs))}\]"):
+        worker._check_register_pool(module, variant, Path("unused.o"))
+
+
 def test_library_cubins_are_read():
     """One cubin per variant in the library, each with an attention kernel whose launch registers the
     reader finds (the numbers the build checks every variant's budgets against)."""

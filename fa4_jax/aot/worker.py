@@ -61,9 +61,14 @@ def _check_register_pool(module, variant, obj: Path) -> None:
 
     make_kernel = getattr(module, "make_kernel", None)
     cfg = getattr(getattr(make_kernel(variant), "__self__", None), "cfg", None) if make_kernel else None
-    if cfg is None or not hasattr(cfg, "producer_regs"):
+    if cfg is None:
         return
-    budgets = [cfg.consumer_regs] * cfg.num_consumer_wg + [cfg.producer_regs]
+    if hasattr(cfg, "warpgroup_regs"):  # SM100: the softmax warpgroups, the correction, the rest
+        budgets = list(cfg.warpgroup_regs)
+    elif hasattr(cfg, "producer_regs"):  # SM90: the consumer warpgroups, the producer
+        budgets = [cfg.consumer_regs] * cfg.num_consumer_wg + [cfg.producer_regs]
+    else:
+        return
     problem = register_pool_problem(kernel_resources(obj), cfg.num_threads, budgets, "FlashAttentionForward")
     if problem:
         raise AotError(f"{variant.symbol}: {problem}")
