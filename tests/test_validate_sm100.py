@@ -5,6 +5,7 @@ refusal on a machine that is not a Blackwell GPU."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import jax
@@ -206,3 +207,59 @@ def test_kv_pages_hold_each_sequence_and_mark_what_it_owns():
         np.testing.assert_array_equal(slots, k[i])
         assert owned[table[i]].reshape(-1).sum() == n and owned[table[i]].reshape(-1)[:n].all()
     assert owned.sum() == lens.sum()
+
+
+class _FakeChild:
+    """A stand-in child process for run_isolated: walks `pending` in order, writing each variant's
+    result, until a variant marked "hang" (then stays alive, silent) or "crash" (then exits 3)."""
+
+    def __init__(self, behaviour, pending, path, started):
+        self.behaviour, self.pending, self.path, self.rc = behaviour, list(pending), path, None
+        started.append(list(pending))
+
+    def poll(self):
+        if self.rc is not None:
+            return self.rc
+        for symbol in self.pending:
+            what = self.behaviour.get(symbol, "ok")
+            if what == "hang":
+                return None
+            if what == "crash":
+                self.rc = 3
+                return self.rc
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"symbol": symbol, "failures": [] if what == "ok" else ["wrong"]}) + "\n")
+            self.pending = self.pending[1:]
+        self.rc = 0
+        return self.rc
+
+    def kill(self):
+        self.rc = -9
+
+    def wait(self):
+        return self.rc
+
+    def stderr_tail(self):
+        return "an illegal memory access was encountered" if self.rc == 3 else ""
+
+
+def test_isolation_blames_the_hanging_and_crashing_variants_and_checks_the_rest():
+    behaviour = {"b": "hang", "c": "fail", "e": "crash"}
+    started = []
+    failures = tool.run_isolated(list("abcdef"), lambda pending, path: _FakeChild(behaviour, pending, path, started),
+                                 timeout_s=0.3)
+    assert failures["a"] == failures["d"] == failures["f"] == []
+    assert failures["c"] == ["wrong"]
+    assert failures["b"] == ["hung: no result in 0 s (killed)"]
+    assert failures["e"] == ["crashed (exit 3): an illegal memory access was encountered"]
+    # A new child after each: the hang's, the crash's; nothing checked twice.
+    assert started == [list("abcdef"), list("cdef"), ["f"]]
+
+
+def test_isolation_stops_when_the_children_fail_before_any_check():
+    started = []
+    failures = tool.run_isolated(list("abcd"), lambda pending, path: _FakeChild({s: "crash" for s in "abcd"},
+                                                                                pending, path, started), timeout_s=5)
+    assert failures["a"][0].startswith("crashed (exit 3)")
+    assert all(failures[s][0].startswith("not run: the checking process fails before any check") for s in "bcd")
+    assert len(started) == 2

@@ -26,6 +26,12 @@ sequence against the oracle, and NaN in the slots past the lengths and in unowne
 outputs bit for bit unchanged. Speed: causal and non-causal prefill at 16k tokens per call
 (heads = 2048 / head_dim), TFLOP/s of ours and of cuDNN (`jax.nn.dot_product_attention`).
 
+Isolation: each variant's checks run in child processes (this script with --child-results), so that a
+kernel that hangs (a pipeline deadlock) or faults (a sticky CUDA error poisons the process) costs only
+itself: a child that gives no result for CHILD_TIMEOUT_S is killed and its current variant recorded as
+hung, one that dies as crashed, and a new child takes the remaining variants. --in-process runs
+everything in this process (faster; for a second run once the kernels are known to behave).
+
 Verdict per (head_dim, mask, softcap): "switch on" when every case of it passed and, where cuDNN runs
 the same call, ours is at least 0.9x cuDNN's speed; "keep opt-in (slower than cuDNN)"; or "do not
 use" with the first failure. The exit status is 0 when every kernel is correct (whether or not each
@@ -38,7 +44,10 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
+import time
 import warnings
 
 import numpy as np
@@ -363,6 +372,94 @@ def speed_rows(fa4_jax, jax, jnp, head_dim: int, causal: bool, seqlens, time_per
     return out
 
 
+# A variant's checks take seconds (the first in a child also pays JAX's start and the reference's
+# compiles); a child with no new result for this long is taken to hang.
+CHILD_TIMEOUT_S = 300
+
+
+def read_results(path: str) -> dict[str, list[str]]:
+    """The {symbol: failures} a child has written so far (one JSON line per finished variant)."""
+    done = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    done[r["symbol"]] = r["failures"]
+    except FileNotFoundError:
+        pass
+    except json.JSONDecodeError:  # a line cut short by a crash: the variants before it stand
+        pass
+    return done
+
+
+def run_isolated(symbols: list[str], start_child, timeout_s: float = CHILD_TIMEOUT_S) -> dict[str, list[str]]:
+    """{symbol: failures} of `symbols`, checked by children: start_child(pending, results_path) returns
+    a Popen-like object (poll(), kill(), wait(), a `stderr_tail()` of its last words) running the checks
+    of `pending` in order and appending each result to results_path. A child silent for timeout_s is
+    killed; the variant it was on is recorded as hung (or crashed, when it died), and a new child
+    takes the rest."""
+    failures: dict[str, list[str]] = {}
+    pending = list(symbols)
+    barren = 0  # children in a row that died before any result: the process, not a kernel, is broken
+    while pending:
+        with tempfile.TemporaryDirectory(prefix="validate_sm100_") as tmp:
+            path = os.path.join(tmp, "results.jsonl")
+            child = start_child(pending, path)
+            seen, last_progress, killed = 0, time.monotonic(), False
+            while child.poll() is None:
+                n = len(read_results(path))
+                if n != seen:
+                    seen, last_progress = n, time.monotonic()
+                elif time.monotonic() - last_progress > timeout_s:
+                    child.kill()
+                    child.wait()
+                    killed = True
+                    break
+                time.sleep(0.2)
+            rc = child.poll()
+            done = read_results(path)
+        failures.update({s: f for s, f in done.items() if s in pending})
+        rest = [s for s in pending if s not in done]
+        if rest:  # the child stopped on rest[0]: that variant is the one to blame
+            why = f"hung: no result in {timeout_s:.0f} s (killed)" if killed else f"crashed (exit {rc})"
+            tail = "" if killed else child.stderr_tail()
+            why += f": {tail}" if tail else ""
+            barren = 0 if done or killed else barren + 1
+            if barren == 2:  # twice no result at all: every child would fail the same way
+                failures.update({s: [f"not run: the checking process fails before any check ({why})"] for s in rest})
+                break
+            failures[rest[0]] = [why]
+            rest = rest[1:]
+        pending = rest
+    return failures
+
+
+class _Child:
+    """A child process of this script checking `symbols` (start_child of run_isolated)."""
+
+    def __init__(self, symbols: list[str], path: str, flags: list[str]):
+        self._err = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the parent holds the GPU too
+        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child-results", path,
+                                       "--only", ",".join(symbols), *flags], stderr=self._err,
+                                      env=env)
+
+    def poll(self):
+        return self._proc.poll()
+
+    def kill(self):
+        self._proc.kill()
+
+    def wait(self):
+        return self._proc.wait()
+
+    def stderr_tail(self) -> str:
+        self._err.seek(0)
+        lines = [ln.strip() for ln in self._err.read().splitlines() if ln.strip()]
+        return lines[-1][:200] if lines else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--any-arch", action="store_true", help="check the kernels of whatever GPU this is")
@@ -370,7 +467,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every result here too")
     ap.add_argument("--family", action="append", choices=("fwd", "varlen", "kvcache"),
                     help="check only this family's variants (repeatable; default: all three)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every check in this process (no isolation of hanging or faulting kernels)")
+    ap.add_argument("--only", default=None, help="comma-separated symbols: check only these variants")
+    ap.add_argument("--child-results", default=None, help=argparse.SUPPRESS)  # a child of run_isolated
     args = ap.parse_args(argv)
+    child = args.child_results is not None
+    if not args.in_process and not child:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # children share the GPU
 
     import jax
     import jax.numpy as jnp
@@ -404,28 +508,48 @@ def main(argv=None) -> int:
     checked_dense = variants if "fwd" in families else []
     varlen = varlen if "varlen" in families else []
     kvcache = kvcache if "kvcache" in families else []
-    print(f"{device.device_kind}, arch {arch} ({'validated' if arch in VALIDATED_ARCHES else 'opt-in'}), "
-          f"{len(checked_dense)} dense, {len(varlen)} varlen and {len(kvcache)} KV-cache variants, jax {jax.__version__}")
+    if not child:
+        print(f"{device.device_kind}, arch {arch} ({'validated' if arch in VALIDATED_ARCHES else 'opt-in'}), "
+              f"{len(checked_dense)} dense, {len(varlen)} varlen and {len(kvcache)} KV-cache variants, "
+              f"jax {jax.__version__}")
 
     shapes = [(2, 333, 333, 8, 2)] if args.quick else [(2, 333, 333, 8, 2), (1, 77, 1000, 4, 4), (3, 1, 517, 8, 1)]
+    # (variant, its checks) in the order they run; seeds by position in the full lists.
+    checks = []
+    for i, variant in enumerate(checked_dense):
+        def dense(variant=variant, i=i):
+            f = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
+            f += check_sinks(fa4_jax, jax, jnp, variant, seed=500 + i)
+            return f + ([] if args.quick else check_every_tile(fa4_jax, jax, jnp, variant, seed=i))
+        checks.append((variant, dense))
+    for i, variant in enumerate(varlen):
+        checks.append((variant, lambda variant=variant, i=i: check_varlen_variant(fa4_jax, jax, jnp, variant,
+                                                                                  seed=1000 + i)))
+    for i, variant in enumerate(kvcache):
+        checks.append((variant, lambda variant=variant, i=i: check_kvcache_variant(fa4_jax, jax, jnp, variant,
+                                                                                   seed=2000 + i)))
+    if args.only is not None:
+        only = set(args.only.split(","))
+        checks = [(v, run) for v, run in checks if v.symbol in only]
     failures = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time "not yet validated" warning of the opt-in kernels
-        for i, variant in enumerate(checked_dense):
-            failures[variant.symbol] = check_variant(fa4_jax, jax, jnp, variant, shapes, seed=i)
-            failures[variant.symbol] += check_sinks(fa4_jax, jax, jnp, variant, seed=500 + i)
-            if not args.quick:
-                failures[variant.symbol] += check_every_tile(fa4_jax, jax, jnp, variant, seed=i)
-            status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
-            print(f"  {variant.symbol:<44} {status}", flush=True)
-        for i, variant in enumerate(varlen):
-            failures[variant.symbol] = check_varlen_variant(fa4_jax, jax, jnp, variant, seed=1000 + i)
-            status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
-            print(f"  {variant.symbol:<44} {status}", flush=True)
-        for i, variant in enumerate(kvcache):
-            failures[variant.symbol] = check_kvcache_variant(fa4_jax, jax, jnp, variant, seed=2000 + i)
-            status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
-            print(f"  {variant.symbol:<44} {status}", flush=True)
+        if child or args.in_process:
+            for variant, run in checks:
+                failures[variant.symbol] = run()
+                status = "ok" if not failures[variant.symbol] else failures[variant.symbol][0]
+                print(f"  {variant.symbol:<44} {status}", flush=True)
+                if child:
+                    with open(args.child_results, "a") as f:
+                        f.write(json.dumps({"symbol": variant.symbol, "failures": failures[variant.symbol]}) + "\n")
+            if child:
+                return 0
+        else:
+            flags = [a for a in ("--quick", "--any-arch") if getattr(args, a[2:].replace("-", "_"))]
+            failures = run_isolated([v.symbol for v, _ in checks], lambda pending, path: _Child(pending, path, flags))
+            for symbol in (v.symbol for v, _ in checks):
+                if failures[symbol] and failures[symbol][0].startswith(("hung", "crashed")):
+                    print(f"  {symbol:<44} {failures[symbol][0]}", flush=True)
 
         seqlens = (1024, 8192) if args.quick else (1024, 4096, 8192, 16384)
         speeds = {}
