@@ -245,7 +245,7 @@ def softmax(c: Cta, t: int, step: int | None = None):
     sc_state = State(2 * c.q_stage, True, index=t if c.q_stage == 2 else 0)
     for tile, n in c.busy():
         for j in range(n):
-            buf = s_state.index  # j % 2 with one Q tile, t with two
+            buf = s_state.index  # alternating with one Q tile (across tiles too), t with two
             yield c.pipe_s.consumer_wait(s_state)
             assert c.s[buf] == ("S", tile, t, j), ("S", buf, c.s[buf], tile, t, j)
             c.s[buf] = None

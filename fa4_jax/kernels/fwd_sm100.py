@@ -16,7 +16,7 @@ The FlashAttention-4 structure (FA4_NOTES.md). Dense and varlen prefill at head_
               gemms (skipped by a warp whose 32 rows all kept their max), and at the end divides by
               the row sum and stores O.
   MMA warp:   one thread issues tcgen05.mma and tcgen05.commit for every handoff. One Q tile:
-              S_j = Q K_j^T into S[j % 2] while the softmax works on S[(j - 1) % 2], then
+              S_j = Q K_j^T into one S stage while the softmax works on the other, then
               O += P_(j-1) V_(j-1). Two: per key block, for t = 0, 1, O_t += P_t V_(j-1) then
               S_t = Q_t K_j^T into S_t, so that one tile's softmax runs beside the other's gemms.
   load warp:  TMA of Q (the second tile after the first K), K_j and V_j into their rings.
@@ -495,7 +495,7 @@ class FlashAttentionForwardSm100:
         else:
             pipe_k = tma_umma(self.stages, mbar=storage.mbar_k, tx_count=self.kv_bytes)
             pipe_v = tma_umma(self.stages, mbar=storage.mbar_v, tx_count=self.kv_bytes)
-        # S and P: two buffers -- one Q tile: S_j in S[j % 2] (the next block's scores computed while
+        # S and P: two buffers -- one Q tile: S_j in the next stage (the next block's scores computed while
         # the softmax works on this one's); two Q tiles: S_t is tile t's, and only softmax
         # warpgroup t waits on (or arrives at) stage t, so 128 threads is each stage's count either
         # way. O: a stage per Q tile. Row scales: two slots per Q tile (tile t's are t, t + q_stage).
@@ -1150,7 +1150,7 @@ class FlashAttentionForwardSm100:
                 softcap_prescale, blocks, m_block, head, batch, n_block_min, n_blocks, tidx, pad, num_m_blocks,
                 mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, states, sLse=None, num_splits=None):
         """Thread tidx owns row tidx % 128 of Q tile tidx // 128 (softmax warpgroup t, tile t, with two
-        Q tiles per CTA; one tile: tile 0, S_j in S[j % 2]): its scores come from TMEM lane tidx % 128
+        Q tiles per CTA; one tile: tile 0, the stages in turn): its scores come from TMEM lane tidx % 128
         of the tile's S buffer. `pad`: the tile belongs to
         the varlen padding pseudo-batch (_pad_stride). Varlen: the tile's row offset is read again
         at the end, for the LSE store (_varlen_seqlen). KV cache: the row is a pack-GQA row of KV head
@@ -1221,7 +1221,9 @@ class FlashAttentionForwardSm100:
             sink = mSinks[head] * _LOG2E
         max_scaled = -Float32.inf if row_max == -Float32.inf else row_max * softmax_scale_log2
         # The Hopper kernel's normalisation (a +inf sink takes the whole mass: o = 0, lse = +inf).
-        inv, lse = finalize_row(row_sum, max_scaled, sink)
+        inv_t, lse_t = cute.make_rmem_tensor(1, Float32), cute.make_rmem_tensor(1, Float32)
+        finalize_row(inv_t, lse_t, 0, row_sum, max_scaled, sink)
+        inv, lse = inv_t[0], lse_t[0]
         if n_blocks > 0:
             pipe_scale.producer_acquire(sc_state)
             sScale[tidx, sc_state.index] = inv
@@ -1278,7 +1280,7 @@ class FlashAttentionForwardSm100:
                 hi = cutlass.min(hi, diag + mb.window_right + 1)
                 if const_expr(blocks.has_left_edge):
                     lo = diag - mb.window_left
-        stage = s_state.index  # j % 2 with one Q tile, t with two
+        stage = s_state.index  # alternating with one Q tile (across a CTA's tiles too), t with two
         pipe_s.consumer_wait(s_state)
         _tcgen05_fence_after()
         tSrc = t2r.partition_S(self._stage(tS0, s_step, stage))
@@ -1310,7 +1312,7 @@ class FlashAttentionForwardSm100:
         _tcgen05_fence_before()
         pipe_s.consumer_release(s_state)
         s_state.advance(self.q_stage)
-        # P over the upper half of S_(j % 2) (two Q tiles: of S_t), as 32-bit pairs.
+        # P over the upper half of S's stage (two Q tiles: of S_t), as 32-bit pairs.
         pipe_p.producer_acquire(p_state)
         tPdst = self._stage(tPt0, s_step, stage)
         block_sum = Float32(0.0)

@@ -105,8 +105,10 @@ class OnlineSoftmax:
         """
         inv = cute.make_rmem_tensor(self.row_max.layout, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = quad_allreduce_sum(self.row_sum[r])
+            m_scaled = self.row_max[r]
             sink = sink_log2[r] if const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
-            inv[r], self.row_sum[r] = finalize_row(quad_allreduce_sum(self.row_sum[r]), self.row_max[r], sink)
+            finalize_row(inv, self.row_sum, r, total, m_scaled, sink)
         return inv
 
     @staticmethod
@@ -133,22 +135,23 @@ class OnlineSoftmax:
 
 
 @cute.jit
-def finalize_row(total: Float32, m_scaled: Float32, sink: Float32):
-    """(O's factor, LSE in natural log) of one row, as OnlineSoftmax.finalize documents it: `total`
-    the row's running sum relative to its scaled max `m_scaled` (-inf: no key), `sink` the sink
-    logit times log2(e) (-inf: none). Every architecture's kernel normalises its rows with this."""
+def finalize_row(inv: cute.Tensor, lse: cute.Tensor, r, total: Float32, m_scaled: Float32, sink: Float32):
+    """inv[r] = O's factor and lse[r] = the LSE (natural log) of one row, as OnlineSoftmax.finalize
+    documents them: `total` the row's running sum relative to its scaled max `m_scaled` (-inf: no
+    key), `sink` the sink logit times log2(e) (-inf: none). Every architecture's kernel normalises its
+    rows with this (register tensors and an index: the Hopper kernel's rows, a one-element tensor for
+    the Blackwell kernel's one row per thread)."""
     big = cute.arch.fmax(m_scaled, sink)
     big_safe = 0.0 if big == -Float32.inf else big
     o_scale = cute.math.exp2(m_scaled - big_safe, fastmath=True)
     denom = total * o_scale + cute.math.exp2(sink - big_safe, fastmath=True)
     empty = denom == 0.0
-    inv = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
-    lse = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)
-    lse = -Float32.inf if empty else lse
+    inv[r] = 0.0 if empty else o_scale * cute.arch.rcp_approx(denom)
+    value = (big_safe + cute.math.log2(denom, fastmath=True)) * math.log(2.0)
+    lse[r] = -Float32.inf if empty else value
     if sink == Float32.inf:
-        inv = 0.0
-        lse = Float32.inf
+        inv[r] = 0.0
+        lse[r] = Float32.inf
     if sink != sink:
-        inv = sink
-        lse = sink
-    return inv, lse
+        inv[r] = sink
+        lse[r] = sink
