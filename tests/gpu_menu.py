@@ -10,8 +10,8 @@ exists or `nvidia-smi -L` lists one), or anywhere with FA4_JAX_REQUIRE_GPU=1,
 - a variant of the default menu missing from the library fails the test that needs it
   (`require_variant`), unless the library was built from an explicitly narrowed menu (FA4_JAX_VARIANTS
   at build time, recorded in the library's fa4_menu.json), or the GPU's architecture has no kernel of
-  that kind (no kernels of the family at all, or -- Blackwell's KV-cache kernels, which are bf16
-  only -- not this one, which another architecture has) -- the reasons a kernel case
+  that kind (no kernels of the family at all, or -- FP8 KV caches and the short-problem dense tile,
+  which only Hopper has -- not this one, which another architecture has) -- the reasons a kernel case
   may skip; the skip reason names which.
 
 GPU tests name the variants they need with `device_arch()` (the GPU's kernel architecture), so the

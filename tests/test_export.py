@@ -62,8 +62,11 @@ def test_multi_platform_export_runs_the_reference_here(tmp_path, library):
     assert exported.platforms == ("cpu", "cuda")
     assert kernel_calls(exported) == sorted(ffi_targets())  # in the CUDA branch
     args = inputs()
-    got = exported.call(*args.values())
-    want = jax.jit(step)(*args.values())  # implementation=None on this CPU: the reference
+    # On the CPU whatever the host has (on a GPU host the CUDA branch would run the kernels, and on an
+    # unvalidated one refuse them: tests/test_gpu_export.py covers both).
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = exported.call(*args.values())
+        want = jax.jit(step)(*args.values())  # implementation=None on the CPU: the reference
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
@@ -136,7 +139,8 @@ def test_kvcache_symbolic_batch_and_capacity_exports_and_runs(kernel_library, pa
             args = (q, k, v, lens, rng.permutation(24)[: bv * nv].reshape(bv, nv).astype(np.int32))
         else:
             args = (q, _bf16(rng, bv, nv, h_k, d), _bf16(rng, bv, nv, h_k, d), lens)
-        got, want = both.call(*args), jax.jit(fn)(*args)
+        with jax.default_device(jax.devices("cpu")[0]):  # the CPU branch, on any host
+            got, want = both.call(*args), jax.jit(fn)(*args)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -162,7 +166,8 @@ def test_kvcache_ragged_exports_and_runs(kernel_library, symbolic):
         lens = np.array([50, 9, 64], np.int32)
         args = (_bf16(rng, total, h_q, d), _bf16(rng, 20, ps, h_k, d), _bf16(rng, 20, ps, h_k, d), lens, cu,
                 rng.permutation(20)[: b * mp].reshape(b, mp).astype(np.int32))
-        got, want = both.call(*args), jax.jit(fn)(*args)
+        with jax.default_device(jax.devices("cpu")[0]):  # the CPU branch, on any host
+            got, want = both.call(*args), jax.jit(fn)(*args)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 def test_varlen_symbolic_number_of_sequences_exports_and_runs(kernel_library):

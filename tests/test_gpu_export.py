@@ -15,14 +15,19 @@ import pytest
 import fa4_jax
 from accuracy import check_o_against_reference
 from export_case import step
+from gpu_menu import device_arch, validated
 from oracle import attention_oracle
 from test_export import export_from_cpu_host, kernel_calls
 from fa4_jax.export import ffi_targets
 
-pytestmark = [pytest.mark.gpu, pytest.mark.kernel_family("fwd", "kvcache", "varlen")]
+pytestmark = [pytest.mark.gpu]
 
 
+@pytest.mark.kernel_family("fwd", "kvcache", "varlen")
 def test_cpu_host_export_runs_on_the_gpu(tmp_path, kernel_variants):
+    if not validated():
+        pytest.skip(f"{device_arch()}: a program exported with implementation=None may not run its unvalidated "
+                    "kernels (test_cpu_host_export_refuses_unvalidated_kernels)")
     exported = export_from_cpu_host(tmp_path, "cuda")
     assert kernel_calls(exported) == sorted(ffi_targets())
     args = {k: jnp.asarray(v, jnp.bfloat16) if v.dtype == np.float32 and k != "sinks" else jnp.asarray(v)
@@ -36,6 +41,20 @@ def test_cpu_host_export_runs_on_the_gpu(tmp_path, kernel_variants):
     xla = jax.jit(step_reference)(*args.values())
     for name, g, x, r in zip(("prefill", "decode", "varlen"), got, xla, step_oracle(*args.values())):
         check_o_against_reference(g, x, r, what=f"exported {name}")
+
+
+def test_cpu_host_export_refuses_unvalidated_kernels(tmp_path, kernel_variants):
+    # On a GPU whose kernels no hardware run has validated (families.VALIDATED_ARCHES), a program
+    # exported with implementation=None did not opt in: the handler refuses with what to do instead
+    # of running them (or of falling back, which it cannot do from inside the program).
+    if validated():
+        pytest.skip(f"{device_arch()}: validated, the exported program runs the kernels (the test above)")
+    exported = export_from_cpu_host(tmp_path, "cuda")
+    args = [jnp.asarray(v, jnp.bfloat16) if v.dtype == np.float32 and k != "sinks" else jnp.asarray(v)
+            for k, v in np.load(tmp_path / "inputs.npz").items()]
+    with pytest.raises(Exception, match=r"have not been validated on hardware yet; this call did not opt in\. "
+                                        r"Lower or export the program with implementation=\"fa4\""):
+        jax.block_until_ready(exported.call(*args))
 
 
 def step_oracle(q, k, v, q1, k_cache, v_cache, lens, cu, sinks):
