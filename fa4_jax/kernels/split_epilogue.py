@@ -68,13 +68,17 @@ def merge_splits_if_last(tile_m: cutlass.Constexpr[int], head_dim: cutlass.Const
     wait for the attention kernel's tail (issue 20). Every partial store of the CTA must have been
     made by the n_threads threads taking part (sMergeFlag: one int32 of shared memory). `chunk`:
     merge_row's, splits whose partials a warp holds at once (0: its default)."""
-    # Release: every thread's partial stores are ordered before its arrival at the barrier, and so
-    # before thread 0's increment below (the classic threadfence-reduction pattern).
-    cute.arch.fence_acq_rel_gpu()
+    # Release by thread 0 alone (CUTLASS's GenericBarrier::arrive_inc): the barrier orders every
+    # thread's partial stores before thread 0's increment, and a release is cumulative over what
+    # precedes it in causality order, so the other splits see them once they see the count. A fence
+    # in every thread before the barrier (the threadfence-reduction sample's pattern, for data that
+    # the fencing thread wrote itself) made the protocol ~1.3 us of every split CTA (docs/PERF.md).
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=n_threads)
     if tidx == 0:
         counter = (work.batch * problem.heads_kv + work.head) * problem.num_m_blocks + work.m_block
         ptr = (problem.mSemaphores.iterator + counter).llvm_ptr
+        # acq_rel: release for this CTA's partials, acquire for the other splits' (every increment
+        # is a release, and they form one release sequence on the counter).
         arrived = cute.arch.atomic_add(ptr, Int32(1), sem="acq_rel", scope="gpu")
         last = Int32(0)
         if arrived == problem.num_splits - 1:
@@ -84,8 +88,8 @@ def merge_splits_if_last(tile_m: cutlass.Constexpr[int], head_dim: cutlass.Const
         sMergeFlag[0] = last
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=n_threads)
     if sMergeFlag[0] != 0:
-        # Acquire: the other splits' partials (released before their increments) are visible.
-        cute.arch.fence_acq_rel_gpu()
+        # Thread 0's acquire, then the barrier: the other splits' partials are visible to every
+        # thread (CUTLASS's wait_eq: one acquiring thread, then the CTA barrier).
         lane = tidx % 32
         rows = cutlass.min(tile_m, seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * tile_m)
         for r in cutlass.range(tidx // 32, rows, n_threads // 32, unroll=1):
