@@ -601,7 +601,7 @@ class FlashAttentionForwardSm100:
                 for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
                     m_block, head, _, batch, seqlen, pad, _, _, n_blocks = self._prefill_tile(tile, *prefill_args)
                     states = self.correction(base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch,
-                                             seqlen, n_blocks, ctidx, pad, num_m_blocks, states)
+                                             seqlen, n_blocks, ctidx, pad, num_m_blocks, states, mSinks=mSinks)
                 _tcgen05_fence_before()
                 cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=self.tmem_threads)
         else:
@@ -1360,7 +1360,7 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def correction(self, base, o_acc, pipe_o, pipe_scale, sScale, mO, m_block, head, batch, seqlen: SeqlenInfo,
-                   n_blocks, tidx, pad, num_m_blocks, states, mOaccum=None, work=None, problem=None):
+                   n_blocks, tidx, pad, num_m_blocks, states, mOaccum=None, work=None, problem=None, mSinks=None):
         """Thread tidx (0..127) owns row tidx of O (TMEM lane tidx) -- of each Q tile's O, with two
         tiles per CTA (tile 0's step j, then tile 1's, the order the MMA warp accumulates them in):
         rescales it in TMEM between P.V gemms, then stores O / row sum. A row is head_dim fp32
@@ -1418,17 +1418,19 @@ class FlashAttentionForwardSm100:
                 _tcgen05_fence_before()
                 pipe_o.consumer_release(o_state)
                 o_state.advance()
-        if n_blocks == 0 and not self.cache:
-            # No key: O = 0 (the softmax wrote lse).
-            for t in cutlass.range_constexpr(self.q_stage):
-                row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
-                if self._row_stored(mO.shape[0], seqlen, row):
-                    self._zero_o_row(mO, seqlen, row, head, batch)
-                if const_expr(self.varlen):
-                    if pad:
-                        stride = self._pad_stride(num_m_blocks)
-                        for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
-                            self._zero_o_row(mO, seqlen, r, head, batch)
+        if const_expr(not self.cache):
+            if n_blocks == 0:
+                # No key: O = 0, or NaN with a NaN sink (the softmax wrote lse).
+                fill = self._empty_row_o(mSinks[head])
+                for t in cutlass.range_constexpr(self.q_stage):
+                    row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
+                    if self._row_stored(mO.shape[0], seqlen, row):
+                        self._zero_o_row(mO, seqlen, row, head, batch, fill)
+                    if const_expr(self.varlen):
+                        if pad:
+                            stride = self._pad_stride(num_m_blocks)
+                            for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
+                                self._zero_o_row(mO, seqlen, r, head, batch)
         return o_state, sc_state
 
     def _correction_states(self):
@@ -1484,9 +1486,10 @@ class FlashAttentionForwardSm100:
                 lse = mSinks[head_q]
             if problem.num_splits == 1:
                 if n_blocks == 0:
+                    fill = self._empty_row_o(mSinks[head_q])
                     out = mO[seqlen.batch_q, pos, head_q, None]
                     for i in cutlass.range_constexpr(cfg.head_dim):
-                        out[i] = Float32(0.0).to(mO.element_type)
+                        out[i] = fill.to(mO.element_type)
                 mLSE[seqlen.batch_q, head_q, pos] = lse
             else:
                 if n_blocks == 0:
@@ -1522,10 +1525,21 @@ class FlashAttentionForwardSm100:
         return stored
 
     @cute.jit
-    def _zero_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
+    def _zero_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch, fill=None):
         out = self._o_row(mO, seqlen, row, head, batch)
+        value = Float32(0.0) if const_expr(fill is None) else fill
         for i in cutlass.range_constexpr(self.cfg.head_dim):
-            out[i] = Float32(0.0).to(mO.element_type)
+            out[i] = value.to(mO.element_type)
+
+    @staticmethod
+    @cute.jit
+    def _empty_row_o(sink: Float32) -> Float32:
+        """O of a row that sees no key: 0 (softmax.finalize_row's factor is 0 whatever the sink), but
+        NaN with a NaN sink, whose row is NaN, o and lse, as the Hopper kernel's 0 * factor makes it."""
+        fill = Float32(0.0)
+        if sink != sink:
+            fill = sink
+        return fill
 
     def _o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
         """Row `row` of the tile's sequence in O: (s_q, d, h, b) dense, packed (t, d, h) varlen."""
