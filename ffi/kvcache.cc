@@ -15,11 +15,11 @@
 // the workspace.
 
 #include "runtime.h"
+#include "splits.h"
 
 #include "fa4_kvcache.inc"  // generated: Params, Key, kVariants, Call, Resolved, kTileM, ..., the binding
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -28,43 +28,6 @@ namespace fa4_jax::gen::kvcache {
 namespace {
 
 ffi::Error Invalid(const std::string &msg) { return InvalidArgument(kTarget, msg); }
-
-// Splits for `tiles` CTAs of work on `sms` CTA slots: none when the tiles already fill ~a wave; otherwise
-// the smallest count whose last wave is nearly full (>= 95% of the best efficiency), since decode is
-// bandwidth-bound and every idle SM is lost bandwidth. FlashAttention's heuristic, with a stricter
-// threshold (it uses 85%).
-int AutoSplits(int64_t tiles, int sms, int64_t blocks, int64_t cap) {
-  if (tiles * 5 >= int64_t{sms} * 4) return 1;
-  const int64_t max_s = std::max<int64_t>(1, std::min({cap, blocks, kMaxSplits}));
-  double best = 0;
-  for (int64_t s = 1; s <= max_s; ++s) {
-    const double waves = static_cast<double>(tiles * s) / sms;
-    best = std::max(best, waves / std::ceil(waves));
-  }
-  for (int64_t s = 1; s <= max_s; ++s) {
-    const double waves = static_cast<double>(tiles * s) / sms;
-    if (waves / std::ceil(waves) >= 0.95 * best) return static_cast<int>(s);
-  }
-  return 1;
-}
-
-// A split count s leaves the longest split ceil(blocks / s) granules, and the last wave is as long
-// as that split: the smallest count in [s, max_s] that shortens it without adding a wave (`slots`
-// CTA slots). E.g. 1 x 32k FP8 (8 tiles, 264 slots): AutoSplits's 31 splits run 9 granules at the
-// longest (17 kernel blocks of 64 keys against 16.5 on average), 32 splits 8 (2026-12-04: 36.6 vs
-// 35.4 us).
-int64_t EvenSplits(int64_t s, int64_t tiles, int64_t slots, int64_t blocks, int64_t max_s) {
-  const int64_t waves = (tiles * s + slots - 1) / slots;
-  const int64_t hi = std::min(max_s, waves * slots / tiles);
-  int64_t best = s;
-  for (int64_t t = s + 1; t <= hi; ++t)
-    if ((blocks + t - 1) / t < (blocks + best - 1) / best) best = t;
-  return best;
-}
-
-// Keys per FP8 split, in kSplitBlockKeys granules, below which a second CTA slot per SM is not
-// filled (1024 keys at 128 per granule).
-constexpr int64_t kMinFp8SplitGranules = 8;
 
 bool FuseCombineEnabled() {
   const char *v = std::getenv("FA4_JAX_FUSE_COMBINE");
@@ -183,22 +146,10 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
     return err;
 
   const int64_t blocks = std::max<int64_t>(1, (capacity + kSplitBlockKeys - 1) / kSplitBlockKeys);
-  // 16-bit decode draws the bandwidth with one CTA per SM: issue 20's sweeps found no gain in more
-  // splits than fill one wave of those. FP8 tiles are bound by their consumer widening each block,
-  // not by HBM, so they fill every CTA slot (two per SM where the variant has them), as long as each
-  // split keeps kMinFp8SplitGranules granules of keys: shorter splits lose more to the merge than the
-  // second slot gains (2026-12-04, 1 x 8k: 32 splits 18.5 us vs 16 splits 17.0).
-  int64_t splits = c.num_splits;
-  if (splits == 0) {
-    splits = AutoSplits(tiles, dev.num_sms, blocks, splits_cap);
-    if (kv_fp8 && r.variant->ctas_per_sm > 1) {
-      const int64_t slots = int64_t{dev.num_sms} * r.variant->ctas_per_sm;
-      const int64_t fp8_blocks = blocks / kMinFp8SplitGranules;
-      const int64_t fp8 = AutoSplits(tiles, static_cast<int>(slots), fp8_blocks, splits_cap);
-      if (fp8 > splits)
-        splits = EvenSplits(fp8, tiles, slots, blocks, std::max<int64_t>(1, std::min({splits_cap, fp8_blocks, kMaxSplits})));
-    }
-  }
+  const int64_t splits =
+      c.num_splits != 0 ? c.num_splits
+                        : ::fa4_jax::splits::AutoSplits(tiles, dev.num_sms, r.variant->ctas_per_sm, blocks, splits_cap,
+                                                        kMaxSplits, kv_fp8);
   if (!FitsInt32((tiles + m_blocks * h_k) * splits) || !FitsInt32(2 * n_listed))
     return Invalid("batch x heads_kv x query tiles x num_splits exceeds int32");
 
