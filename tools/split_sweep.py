@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decode device time against the split count, over many shapes: the data the handler's automatic
-split choice (ffi/kvcache.cc AutoSplits) is judged by. For each shape it times the automatic choice
+split choice (ffi/splits.h AutoSplits) is judged by. For each shape it times the automatic choice
 and every forced count that gives each split at least one 128-key granule, beside cuDNN
 (`jax.nn.dot_product_attention` with key_value_seq_lengths, as examples/generate.py calls it), and
 prints the best forced count, auto's time over it (issue 20: within 3%) and over cuDNN's.
