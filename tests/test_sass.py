@@ -81,6 +81,15 @@ def sm100_attention_obj(request, tmp_path_factory) -> Path:
     return _compile_one(tmp_path_factory, request.param)
 
 
+def _diverged_elects(text: str) -> list[str]:
+    """ELECTs that ptxas had to wrap in WARPSYNC.COLLECTIVE (the out-of-line path it emits for an
+    elect.sync of the full warp that may execute in a diverged warp): an elect nested in another
+    elect's branch, whose other lanes never arrive."""
+    instrs = [line.strip() for line in text.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/", line)]
+    return [op for i, op in enumerate(instrs)
+            if "WARPSYNC.COLLECTIVE" in op and any(x.split()[1].startswith("ELECT") for x in instrs[i + 1:i + 3])]
+
+
 def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     """The SM100 forward kernel compiled GPU-blind: sm_100a code whose gemms are tcgen05.mma with
     accumulators in Tensor Memory (S and O loaded and P and O stored by tcgen05.ld / st), handoffs by
@@ -98,6 +107,10 @@ def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     # allocator warp: when that was not the MMA warp, the allocation compiled to nothing.
     for pattern in (r"UTCATOMSWS\.FIND_AND_SET", r"UVIRTCOUNT\.DEALLOC", r"UTCATOMSWS\.AND\b"):
         assert re.search(pattern, text), (pattern, sorted(ops.items()))
+    # Each tcgen05.mma issued by the whole MMA warp (the DSL elects its thread): wrapped in elect_one(),
+    # the DSL's own elect.sync ran in one lane of a diverged warp (ptxas: WARPSYNC.COLLECTIVE, ELECT)
+    # while the other 31 waited at the branch's end -- every kernel deadlocked at its first gemm.
+    assert not _diverged_elects(text), _diverged_elects(text)[:3]
     # K/V by TMA, except one-row page pieces: rows gathered by the load warp's cp.async (LDGSTS).
     rows1 = sm100_attention_obj.stem.endswith("_rows1")
     assert (ops["UTMALDG"] == 0) == rows1, sorted(ops.items())

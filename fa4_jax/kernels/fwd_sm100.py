@@ -945,9 +945,8 @@ class FlashAttentionForwardSm100:
                     pipe_k.consumer_wait(kv_state)
                     pipe_s.producer_acquire(s_state)
                     _tcgen05_fence_after()  # the softmax's reads of this buffer came before
-                    with cute.arch.elect_one():
-                        self._gemm(tiled_mma_qk, self._stage(tS0, s_step, s_state.index), tSrQ[None, None, None, 0],
-                                   tSrK[None, None, None, kv_state.index])
+                    self._gemm(tiled_mma_qk, self._stage(tS0, s_step, s_state.index), tSrQ[None, None, None, 0],
+                               tSrK[None, None, None, kv_state.index])
                     # Commits complete in issue order once the gemm has: the stage's release
                     # first, so that the kernel's last arrive is one a consumer waits for (none
                     # lands in shared memory after the CTA has exited).
@@ -968,9 +967,8 @@ class FlashAttentionForwardSm100:
                                 self._clear_v_keys(sV, thr_pv, v_state.index, keys_in_first)
                     pipe_o.producer_acquire(o_state)
                     _tcgen05_fence_after()  # P's stores and O's rescale (tcgen05.st) came before
-                    with cute.arch.elect_one():
-                        self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, p_state.index),
-                                   tOrV[None, None, None, v_state.index], accumulate=j > 1)
+                    self._gemm(tiled_mma_pv, tO, self._stage(tP0, p_step, p_state.index),
+                               tOrV[None, None, None, v_state.index], accumulate=j > 1)
                     pipe_v.consumer_release(v_state)
                     pipe_p.consumer_release(p_state)
                     pipe_o.producer_commit(o_state)
@@ -1000,8 +998,8 @@ class FlashAttentionForwardSm100:
         S_t: the P.V gemm that reads it is issued before the Q K^T gemm that overwrites it, and one
         thread's tcgen05.mma run in order. Each K and V tile serves both Q tiles before its release."""
         tSrQ, tSrK, tOrV = self._mma_operands(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV)
-        # An MMA object per tile and gemm: _gemm sets its accumulate field inside the elected
-        # thread's branch, and a value set in one branch cannot feed another branch's gemm.
+        # An MMA object per tile and gemm: _gemm sets its accumulate field inside a branch (j > 0,
+        # j < n_blocks), and a value set in one branch cannot feed another branch's gemm.
         mmas = [self._tiled_mmas(self.dtype)[:2] for _ in range(2)]
         # S, P, O: stage t is tile t's, used in turn (0, 1, 0, ...): the usual state order.
         q_state, kv_state, v_state, s_state, p_state, o_state = [st.clone() for st in states]
@@ -1027,9 +1025,8 @@ class FlashAttentionForwardSm100:
                         pipe_p.consumer_wait(p_state)
                         pipe_o.producer_acquire(o_state)
                         _tcgen05_fence_after()
-                        with cute.arch.elect_one():
-                            self._gemm(mmas[t][1], self._stage(tO, o_step, t), self._stage(tP0, p_step, t),
-                                       tOrV[None, None, None, v_state.index], accumulate=j > 1)
+                        self._gemm(mmas[t][1], self._stage(tO, o_step, t), self._stage(tP0, p_step, t),
+                                   tOrV[None, None, None, v_state.index], accumulate=j > 1)
                         pipe_p.consumer_release(p_state)
                         if const_expr(t == 1):
                             # V_(j-1) served both tiles. Released before O_1's commit: commits land in
@@ -1047,9 +1044,8 @@ class FlashAttentionForwardSm100:
                         # P.V gemm above waited for).
                         pipe_s.producer_acquire(s_state)
                         _tcgen05_fence_after()
-                        with cute.arch.elect_one():
-                            self._gemm(mmas[t][0], self._stage(tS0, s_step, t), tSrQ[None, None, None, t],
-                                       tSrK[None, None, None, kv_state.index])
+                        self._gemm(mmas[t][0], self._stage(tS0, s_step, t), tSrQ[None, None, None, t],
+                                   tSrK[None, None, None, kv_state.index])
                         if const_expr(t == 1):
                             pipe_k.consumer_release(kv_state)
                             kv_state.advance()
@@ -1139,7 +1135,11 @@ class FlashAttentionForwardSm100:
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tA, tB, accumulate=False):
-        """acc (=|+=) A B over the k-blocks of one tile, issued by the calling thread."""
+        """acc (=|+=) A B over the k-blocks of one tile, called by the whole MMA warp: the DSL elects
+        the thread that issues each tcgen05.mma itself (an `elect.sync` of the full warp). Called from
+        inside `elect_one()`, that inner elect.sync ran in one thread while the other 31 waited at the
+        branch's end: every SM100 kernel deadlocked at its first gemm (the SASS showed
+        WARPSYNC.COLLECTIVE around each UTCHMMA; tests/test_sass.py checks there is none)."""
         tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
         for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
