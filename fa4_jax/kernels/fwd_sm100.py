@@ -1138,8 +1138,8 @@ class FlashAttentionForwardSm100:
         """acc (=|+=) A B over the k-blocks of one tile, called by the whole MMA warp: the DSL elects
         the thread that issues each tcgen05.mma itself (an `elect.sync` of the full warp). Called from
         inside `elect_one()`, that inner elect.sync ran in one thread while the other 31 waited at the
-        branch's end: every SM100 kernel deadlocked at its first gemm (the SASS showed
-        WARPSYNC.COLLECTIVE around each UTCHMMA; tests/test_sass.py checks there is none)."""
+        branch's end: every SM100 kernel deadlocked at its first gemm (ptxas compiled it to an ELECT
+        under WARPSYNC.COLLECTIVE; tests/test_sass.py checks there is none)."""
         tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
         for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
