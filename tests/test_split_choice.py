@@ -22,6 +22,8 @@ from fa4_jax.ops.kvcache.spec import MAX_SPLITS, SPLIT_BLOCK_KEYS, auto_split_ca
 ROOT = Path(__file__).resolve().parents[1]
 H200_SMS = 132
 H_KV, ROWS = 8, 4  # KV heads; packed query rows per KV head (seqlen_q 1 x 4 q-heads per KV head)
+# ffi/splits.h kMinFp8SplitGranules: FP8 splits keep at least this many granules (1024 keys).
+MIN_FP8_GRANULES = 8
 
 _DRIVER = r"""
 #include <cstdio>
@@ -96,9 +98,9 @@ def test_fp8_split_count_properties(auto_splits):
         if s8 == s16:
             continue
         blocks, tiles = -(-k // SPLIT_BLOCK_KEYS), b * H_KV
-        assert s8 <= blocks // 8, (b, k, s8)
+        assert s8 <= blocks // MIN_FP8_GRANULES, (b, k, s8)
         waves = -(-tiles * s8 // slots)
         longest = -(-blocks // s8)
-        for t in range(s8 + 1, min(cap, blocks // 8) + 1):
+        for t in range(s8 + 1, min(cap, blocks // MIN_FP8_GRANULES) + 1):
             if -(-tiles * t // slots) == waves:
                 assert -(-blocks // t) >= longest, (b, k, s8, t)

@@ -999,7 +999,8 @@ class FlashAttentionForwardSm100:
         thread's tcgen05.mma run in order. Each K and V tile serves both Q tiles before its release."""
         tSrQ, tSrK, tOrV = self._mma_operands(tiled_mma_qk, tiled_mma_pv, thr_qk, thr_pv, sQ, sK, sV)
         # An MMA object per tile and gemm: _gemm sets its accumulate field inside a branch (j > 0,
-        # j < n_blocks), and a value set in one branch cannot feed another branch's gemm.
+        # j < n_blocks, once per tile), and a value set in one branch cannot feed another branch's
+        # gemm (shared objects fail the DSL's IR verification: "does not dominate this use").
         mmas = [self._tiled_mmas(self.dtype)[:2] for _ in range(2)]
         # S, P, O: stage t is tile t's, used in turn (0, 1, 0, ...): the usual state order.
         q_state, kv_state, v_state, s_state, p_state, o_state = [st.clone() for st in states]
@@ -1425,12 +1426,12 @@ class FlashAttentionForwardSm100:
                 for t in cutlass.range_constexpr(self.q_stage):
                     row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
                     if self._row_stored(mO.shape[0], seqlen, row):
-                        self._zero_o_row(mO, seqlen, row, head, batch, fill)
+                        self._fill_o_row(mO, seqlen, row, head, batch, fill)
                     if const_expr(self.varlen):
                         if pad:
                             stride = self._pad_stride(num_m_blocks)
                             for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
-                                self._zero_o_row(mO, seqlen, r, head, batch)
+                                self._fill_o_row(mO, seqlen, r, head, batch)
         return o_state, sc_state
 
     def _correction_states(self):
@@ -1525,7 +1526,8 @@ class FlashAttentionForwardSm100:
         return stored
 
     @cute.jit
-    def _zero_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch, fill=None):
+    def _fill_o_row(self, mO, seqlen: SeqlenInfo, row, head, batch, fill=None):
+        """Row `row` of O set to `fill` (default 0) in every column."""
         out = self._o_row(mO, seqlen, row, head, batch)
         value = Float32(0.0) if const_expr(fill is None) else fill
         for i in cutlass.range_constexpr(self.cfg.head_dim):
