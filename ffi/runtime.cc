@@ -58,6 +58,8 @@ std::string EnsureLoaded(const VariantInfo &v, int device) {
     return "CUDA device " + std::to_string(device) + " is out of range (this library serves devices 0.." +
            std::to_string(kMaxDevices - 1) + ")";
   if (IsLoaded(v, device)) return "";
+  for (int i = 0; i < v.num_companions; ++i)  // their own modules and locks; they have no companions
+    if (std::string err = EnsureLoaded(*v.companions[i], device); !err.empty()) return err;
   Module &m = *v.module;
   std::lock_guard<std::mutex> lock(m.mu);
   if (IsLoaded(v, device)) return "";

@@ -44,6 +44,11 @@ struct Module {
 struct VariantInfo {
   const char *symbol;
   Module *module;
+  // Kernels compiled apart that this variant's launch may run after its own (families.base.Companion,
+  // e.g. the KV-cache split combine): loaded on a device before the variant itself, so a variant
+  // that is ready there has them ready too.
+  const VariantInfo *const *companions = nullptr;
+  int num_companions = 0;
 };
 
 // A family's FFI handler stages, defined by its hand-written ffi/<family>.cc.
@@ -54,7 +59,8 @@ struct FamilyHandlers {
 
 constexpr int kMaxDevices = 64;
 
-// Loads `v` on `device` if it is not ready yet. Returns "" on success, else why it failed.
+// Loads `v` (its companions first) on `device` if it is not ready yet. Returns "" on success, else
+// why it failed.
 // Illegal during CUDA-graph capture (module loading is); see PrepareForLaunch.
 std::string EnsureLoaded(const VariantInfo &v, int device);
 

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from fa4_jax.core import library as _ffi
-from fa4_jax.families import FAMILIES, menu_from_env, variant_from_symbol
+from fa4_jax.families import FAMILIES, menu_from_env, objects_of, variant_from_symbol
 
 # The library's whole C ABI (ffi/runtime.cc); every family's handlers are reached through it.
 EXPORTS = {
@@ -84,9 +84,13 @@ def test_variant_symbols(lib, lib_symbols):
 
 def test_library_matches_build_menu(lib_symbols, built_menu):
     # The menu the build asked for (FA4_JAX_VARIANTS as the build saw it) is what the library holds.
-    expected = {v.symbol for v in menu_from_env({"FA4_JAX_VARIANTS": built_menu["fa4_jax_variants"]})}
+    menu = menu_from_env({"FA4_JAX_VARIANTS": built_menu["fa4_jax_variants"]})
+    expected = {v.symbol for v in menu}
     assert set(built_menu["variants"]) == expected
     assert set(lib_symbols) == expected
+    # The companions (the KV-cache split combine) are objects of the library, not variants of it.
+    assert built_menu["companions"] == [v.symbol for v in objects_of(menu)[len(menu):]]
+    assert not set(built_menu["companions"]) & set(lib_symbols)
 
 
 def test_full_menu_unless_narrowed(lib_symbols, built_menu):

@@ -135,7 +135,7 @@ def test_generated_variant_table_carries_each_kernels_residency():
         inc = codegen.generate_family_inc(fam, menu, "test")
         for v in menu:
             want = fam.ctas_per_sm(v) if fam.ctas_per_sm else 1
-            assert re.search(rf'\{{"{v.symbol}", .*&{v.symbol}_module, {want}\}},', inc), v.symbol
+            assert re.search(rf'\{{"{v.symbol}", .*&{v.symbol}_module, {want}, &kVariantInfos\[', inc), v.symbol
     fp8 = KVCacheVariant("sm90", "bf16", 128, "local", False, kv_fp8=True)
     assert ctas_per_sm(fp8) == 2 and ctas_per_sm(KVCacheVariant("sm100", "bf16", 128, "local", False)) == 1
 

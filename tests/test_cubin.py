@@ -3,6 +3,7 @@ built library's own cubins (CPU-only)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -53,7 +54,8 @@ def test_the_build_checks_the_sm100_register_pool_too(monkeypatch, head_dim, pac
 
 def test_library_cubins_are_read():
     """One cubin per variant in the library, each with an attention kernel whose launch registers the
-    reader finds (the numbers the build checks every variant's budgets against)."""
+    reader finds (the numbers the build checks every variant's budgets against), and one per companion
+    (the KV-cache split combine: fa4_menu.json's "companions"), each with that kernel alone."""
     path = _ffi.library_path()
     if path is None:
         if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
@@ -62,9 +64,18 @@ def test_library_cubins_are_read():
     import ctypes
     lib = ctypes.CDLL(str(path))
     lib.fa4_jax_num_variants.restype = ctypes.c_int
+    companions = json.loads((path.parent / "fa4_menu.json").read_text())["companions"]
+    assert all(c.startswith("fa4_combine_") for c in companions), companions
     cubins = cubin_resources(path)
-    assert len(cubins) == lib.fa4_jax_num_variants(), (len(cubins), lib.fa4_jax_num_variants())
+    assert len(cubins) == lib.fa4_jax_num_variants() + len(companions), (len(cubins), lib.fa4_jax_num_variants())
+    combines = 0
     for kernels in cubins:
         attn = [r for name, r in kernels.items() if "FlashAttentionForward" in name]
-        assert len(attn) == 1, kernels
+        if not attn:
+            (name, res), = kernels.items()
+            assert "SplitCombine" in name and res.get("frame", 0) == 0, kernels
+            combines += 1
+            continue
+        assert len(attn) == 1 and len(kernels) == 1, kernels  # the combine is no longer inside
         assert 24 <= attn[0]["regs"] <= 255, attn
+    assert combines == len(companions)

@@ -128,11 +128,32 @@ def test_sm100_attention_kernel_is_tcgen05_without_spills(sm100_attention_obj):
     assert budgets == set(cfg.warpgroup_regs), (budgets, cfg)
     if sm100_attention_obj.stem in SM100_KVCACHE_SYMBOLS:
         # The load warp's cp.async gather of the pack-GQA Q rows, and the fused split merge's tile
-        # counter; the same object holds the combine kernel for calls without counters.
+        # counter; the combine kernel for calls without counters is an object of its own
+        # (test_combine_companion_objects).
         for op in ("LDGSTS", "ATOMG"):
             assert ops[op] > 0, (op, sorted(ops.items()))
-        (combine,) = [r for k, r in kernel_resources(sm100_attention_obj).items() if "SplitCombine" in k]
-        assert combine.get("frame", 0) == 0, combine
+        assert list(kernels) == [name], list(kernels)
+
+
+@pytest.fixture(scope="module", params=["fa4_combine_sm100_bf16_hd256", "fa4_combine_sm90_fp16_hd64"])
+def combine_obj(request, tmp_path_factory) -> Path:
+    return _compile_one(tmp_path_factory, request.param)
+
+
+def test_combine_companion_objects(combine_obj):
+    """The KV-cache family's split combine, compiled once per (arch, dtype, head_dim): the target's
+    code, one kernel, no local memory."""
+    from fa4_jax.aot.cubin import kernel_resources
+
+    arch = "sm_100a" if "_sm100_" in combine_obj.stem else "sm_90a"
+    assert sass.cubin_arch(combine_obj) == {arch}
+    kernels = sass.kernel_sass(combine_obj, _nvdisasm())
+    (name, text), = kernels.items()
+    assert "SplitCombine" in name, name
+    ops = sass.opcode_counts(text)
+    assert ops["STL"] == ops["LDL"] == ops["HGMMA"] == ops["UTCHMMA"] == 0, sorted(ops.items())
+    (res,) = kernel_resources(combine_obj).values()
+    assert res.get("frame", 0) == 0, res
 
 
 def test_sm100_probe_is_sm100a(sm100_obj):

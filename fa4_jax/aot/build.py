@@ -10,7 +10,7 @@ from pathlib import Path
 from fa4_jax.aot import abi, cache, codegen
 from fa4_jax.aot.cmake import REQUEST_FILE, families_in, sorted_menu
 from fa4_jax.aot.worker import AotError, compile_all
-from fa4_jax.families import MENU_ENV, family_of
+from fa4_jax.families import MENU_ENV, description_of, family_of, objects_of
 
 MENU_FILE = "fa4_menu.json"  # installed next to the .so; tests compare it with the library
 REGISTRY_FILE = "fa4_registry.inc"
@@ -43,11 +43,16 @@ def resolve_menu(request: Path | None) -> tuple[str, list]:
 
 
 def compile_menu(menu: list, out: Path, jobs: int, force: bool, dsl_version: str) -> tuple[int, int]:
-    """Compiles every variant whose object is missing or stale. Returns (compiled, cached)."""
-    digests = {f.name: cache.kernel_sources_digest(f) for f in families_in(menu)}  # per family: its kernels' sources
+    """Compiles every object of the menu (its variants and their companions: objects_of) that is
+    missing or stale. Returns (compiled, cached)."""
+    objects = objects_of(menu)
+    # Per family or companion: the kernels sources its entry module imports.
+    digests = {d.compile: cache.kernel_sources_digest(d) for d in {description_of(v).compile: description_of(v)
+                                                                   for v in objects}.values()}
     fp_path = out / cache.FINGERPRINT_FILE
     fps = cache.read_json(fp_path)
-    want = {v.symbol: cache.fingerprint(v, family_of(v), digests[family_of(v).name], dsl_version) for v in menu}
+    want = {v.symbol: cache.fingerprint(v, description_of(v), digests[description_of(v).compile], dsl_version)
+            for v in objects}
 
     todo, cached = [], []
     for s in want:
@@ -58,7 +63,8 @@ def compile_menu(menu: list, out: Path, jobs: int, force: bool, dsl_version: str
     cache.write_json(fp_path, fps)
 
     jobs = max(1, min(jobs, len(todo))) if todo else 1
-    _log(f"{len(menu)} variant(s): {len(todo)} to compile, {len(cached)} cached; jobs={jobs}; "
+    _log(f"{len(menu)} variant(s) and {len(objects) - len(menu)} companion(s): {len(todo)} to compile, "
+         f"{len(cached)} cached; jobs={jobs}; "
          f"nvidia-cutlass-dsl {dsl_version}; out={out}")
     for s in cached:
         _log(f"  {s:<44s} cached")
@@ -88,11 +94,12 @@ def compile_menu(menu: list, out: Path, jobs: int, force: bool, dsl_version: str
 
 
 def check_menu(menu: list, out: Path) -> dict:
-    """Header ABI and CUDA-call checks of every exported object. Returns {symbol: cuda calls}."""
+    """Header ABI and CUDA-call checks of every exported object (companions included). Returns
+    {symbol: cuda calls}."""
     problems, calls = [], {}
-    for v in menu:
+    for v in objects_of(menu):
         s = v.symbol
-        problems += [f"{s}.h: {p}" for p in abi.check_header(family_of(v), s, (out / f"{s}.h").read_text())]
+        problems += [f"{s}.h: {p}" for p in abi.check_header(description_of(v), s, (out / f"{s}.h").read_text())]
         calls[s] = abi.cuda_calls(out / f"{s}.o")
         errors, warnings = abi.capture_problems(s, calls[s])
         problems += errors
@@ -126,6 +133,7 @@ def build(out: Path, jobs: int, force: bool = False, request: Path | None = None
         out / MENU_FILE,
         json.dumps(
             {"variants": [v.symbol for v in menu], "fa4_jax_variants": spec,
+             "companions": [v.symbol for v in objects_of(menu)[len(menu):]],
              "families": {f.name: f.target for f in families},
              "cutlass_dsl_version": dsl_version, "cuda_calls": calls},
             indent=1, sort_keys=True,

@@ -117,7 +117,8 @@ def kernel_sources_digest(family=None) -> str:
 
 
 def family_abi_digest(family) -> str:
-    """The family's ABI description (tensors, scalars, params, key): a change recompiles its variants."""
+    """The family's (or companion's) ABI description (tensors, scalars, params, key): a change
+    recompiles its variants."""
     abi = {f.name: repr(getattr(family, f.name)) for f in dataclasses.fields(family)
            if f.name in ("target", "params", "tensors", "scalars", "compile")}
     return hashlib.sha256(json.dumps(abi, sort_keys=True).encode()).hexdigest()

@@ -4,7 +4,10 @@ fa4_<family>.inc, included once by the family's handler (ffi/<family>.cc) after 
   enums, `Params` (from family.params), `Key` (from family.key), `kTarget`, and per variant a module
   state, an init thunk (cubin -> context-independent CUDA library), a per-device load thunk, a launch
   thunk (Params -> the exported wrapper's tensor structs, in the order family.tensors gives), and one
-  row of `kVariants`; plus `Find(key)`, `Describe(key)`, `BuiltVariants()` and the registry rows.
+  row of `kVariants`; the same thunks for each companion variant the menu's variants launch
+  (family.companions: a Variant row runs its companions after its own kernel when their condition
+  holds, and its registry row loads them with it); plus `Find(key)`, `Describe(key)`,
+  `BuiltVariants()` and the registry rows.
   Then the FFI call (from family.call): its constants, the `Call` struct, the declaration of the
   handler's `Resolve(const Call &, Resolved &)`, the generic checks (dtypes, ranks, alignment), the
   two stages, the typed binding and `kHandlers`. The handler itself defines only Resolve.
@@ -44,7 +47,9 @@ def _describe_expr(family: KernelFamily, field) -> str:
     return f"std::to_string({v})"
 
 
-def _thunks(family: KernelFamily, v) -> list[str]:
+def _thunks(desc, v) -> list[str]:
+    """Module state, init/load/launch thunks and Module of variant `v`, whose wrapper takes
+    `desc.tensors` and `desc.scalars` (a family's, or a companion's: both over the family's Params)."""
     s = v.symbol
     out = [
         f"// ---- {s}",
@@ -66,12 +71,12 @@ def _thunks(family: KernelFamily, v) -> list[str]:
         "}",
         f"static int32_t {s}_launch(void *state, const Params &p) {{",
     ]
-    for t in family.tensors:
+    for t in desc.tensors:
         out.append(f"  {s}_Tensor_{t.name}_t {t.name};")
         out.append(f"  {t.name}.data = {t.data};")
         out += [f"  {t.name}.dynamic_shapes[{i}] = {e};" for i, e in enumerate(t.shapes)]
         out += [f"  {t.name}.dynamic_strides[{i}] = {e};" for i, e in enumerate(t.strides)]
-    args = ", ".join([f"&{t.name}" for t in family.tensors] + [sc.expr for sc in family.scalars] + ["p.stream"])
+    args = ", ".join([f"&{t.name}" for t in desc.tensors] + [sc.expr for sc in desc.scalars] + ["p.stream"])
     out += [
         f"  return cute_dsl_{s}_wrapper(static_cast<{s}_Kernel_Module_t *>(state), {args});",
         "}",
@@ -270,7 +275,10 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
         "",
     ]
     out += ['#include "handler_util.h"', "", "#include <optional>", "#include <string>", ""]
+    # The companion variants this menu's variants launch (families.base.Companion), each once.
+    companions = {c.name: sorted({c.of(v) for v in menu}, key=lambda x: x.symbol) for c in family.companions}
     out += [f'#include "{v.symbol}.h"' for v in menu]
+    out += [f'#include "{cv.symbol}.h"' for c in family.companions for cv in companions[c.name]]
     out += ["", f"namespace fa4_jax::gen::{family.name} {{", "", "using ::fa4_jax::InvalidArgument;", ""]
     out.append(f'inline constexpr const char *kTarget = "{family.target}";')
     for name, values in family.enums.items():
@@ -290,6 +298,12 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
     out.append("};")
     parts = ' + ", " + '.join(f'"{k.name}=" + {_describe_expr(family, k)}' for k in family.key)
     out.append(f"inline std::string Describe(const Key &k) {{ return {parts}; }}")
+    launch = ["  int32_t launch(const Params &p) const {",
+              "    if (const int32_t ret = launch_fn(module->state, p); ret != 0) return ret;"]
+    for c in family.companions:
+        launch += [f"    if ({c.when})",
+                   f"      if (const int32_t ret = {c.name}_fn({c.name}_module->state, p); ret != 0) return ret;"]
+    launch += ["    return 0;", "  }"]
     out += [
         "",
         "struct Variant {",
@@ -298,22 +312,42 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
         "  int32_t (*launch_fn)(void *state, const Params &p);",
         "  ::fa4_jax::Module *module;",
         "  int ctas_per_sm;  // resident per SM (the kernel's configuration)",
-        "  int32_t launch(const Params &p) const { return launch_fn(module->state, p); }",
-        "  ::fa4_jax::VariantInfo info() const { return {symbol, module}; }",
+        "  const ::fa4_jax::VariantInfo *registry;  // its kVariantInfos row: loads it and its companions",
+        *[line for c in family.companions for line in (
+            f"  int32_t (*{c.name}_fn)(void *state, const Params &p);  // companion {c.variant.__name__}",
+            f"  ::fa4_jax::Module *{c.name}_module;")],
+        "  // The variant's kernel, then each companion whose condition holds (in one launch check).",
+        *launch,
+        "  const ::fa4_jax::VariantInfo &info() const { return *registry; }",
         "};",
         "",
     ]
     for v in menu:
         out += _thunks(family, v)
-    out.append(f"inline constexpr int kNumVariantsHere = {n};")
-    out.append("static const Variant kVariants[kNumVariantsHere] = {")
+    for c in family.companions:
+        for cv in companions[c.name]:
+            out += _thunks(c, cv)
+            out.append(f'static const ::fa4_jax::VariantInfo {cv.symbol}_info{{"{cv.symbol}", &{cv.symbol}_module}};')
+            out.append("")
     for v in menu:
+        if family.companions:
+            refs = ", ".join(f"&{c.of(v).symbol}_info" for c in family.companions)
+            out.append(f"static const ::fa4_jax::VariantInfo *const {v.symbol}_companions[] = {{{refs}}};")
+    out.append(f"inline constexpr int kNumVariantsHere = {n};")
+    out.append("extern const ::fa4_jax::VariantInfo kVariantInfos[kNumVariantsHere] = {")
+    if family.companions:
+        out += [f'    {{"{v.symbol}", &{v.symbol}_module, {v.symbol}_companions, {len(family.companions)}}},'
+                for v in menu]
+    else:
+        out += [f'    {{"{v.symbol}", &{v.symbol}_module}},' for v in menu]
+    out.append("};")
+    out.append("static const Variant kVariants[kNumVariantsHere] = {")
+    for i, v in enumerate(menu):
         key = ", ".join(k.literal(getattr(v, k.name)) for k in family.key)
         ctas = family.ctas_per_sm(v) if family.ctas_per_sm else 1
-        out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module, {ctas}}},')
-    out.append("};")
-    out.append("extern const ::fa4_jax::VariantInfo kVariantInfos[kNumVariantsHere] = {")
-    out += [f'    {{"{v.symbol}", &{v.symbol}_module}},' for v in menu]
+        comp = "".join(f", &{c.of(v).symbol}_launch, &{c.of(v).symbol}_module" for c in family.companions)
+        out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module, {ctas}, &kVariantInfos[{i}]'
+                   f'{comp}}},')
     out.append("};")
     out.append("extern const int kNumVariants = kNumVariantsHere;")
     out += [

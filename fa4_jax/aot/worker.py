@@ -22,7 +22,7 @@ def compile_one(symbol: str, out_dir: str) -> dict:
     DSL do not always pickle, so the worker sends text back)."""
     t0 = time.perf_counter()
     try:
-        from fa4_jax.families import family_of, variant_from_symbol
+        from fa4_jax.families import description_of, variant_from_symbol
 
         variant = variant_from_symbol(symbol)
         flag = _arch_of(symbol)
@@ -31,7 +31,7 @@ def compile_one(symbol: str, out_dir: str) -> dict:
                            f"{DSL_ARCH_ENV}={os.environ[DSL_ARCH_ENV]}: compile each architecture in its own "
                            "process (compile_all does)")
         _use_arch(flag)  # effective if this process has not imported cutlass yet
-        module_name, _, fn_name = family_of(variant).compile.partition(":")
+        module_name, _, fn_name = description_of(variant).compile.partition(":")
         compile_variant = getattr(importlib.import_module(module_name), fn_name)  # imports cutlass
         t1 = time.perf_counter()
         compiled = compile_variant(variant)

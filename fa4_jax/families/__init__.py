@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
-from fa4_jax.families.base import ARCH_CC, DTYPES, VALIDATED_ARCHES, KernelFamily, Variant
+from fa4_jax.families.base import ARCH_CC, DTYPES, VALIDATED_ARCHES, Companion, KernelFamily, Variant
 from fa4_jax.ops.fwd.spec import FWD, HEAD_DIMS, MASKS, FwdVariant, mask_kind
 from fa4_jax.ops.kvcache.spec import KVCACHE, KVCacheVariant
 from fa4_jax.ops.varlen.spec import VARLEN, VarlenVariant
@@ -27,7 +27,8 @@ MENU_ENV = "FA4_JAX_VARIANTS"
 __all__ = [
     "ARCH_CC", "DTYPES", "FAMILIES", "FWD", "FwdVariant", "HEAD_DIMS", "KVCACHE", "KVCacheVariant", "KernelFamily",
     "MASKS", "MENU_ENV", "VALIDATED_ARCHES", "VARLEN", "VarlenVariant",
-    "Variant", "default_menu", "family_of", "mask_kind", "menu_from_env", "variant_from_symbol",
+    "Variant", "default_menu", "description_of", "family_of", "mask_kind", "menu_from_env", "objects_of",
+    "variant_from_symbol",
 ]
 
 
@@ -38,12 +39,31 @@ def family_of(variant) -> KernelFamily:
     raise TypeError(f"{variant!r} is not a variant of any kernel family")
 
 
-def variant_from_symbol(symbol: str):
-    """The variant an exported symbol names, whatever its family; ValueError if none."""
+def description_of(variant) -> KernelFamily | Companion:
+    """What makes and checks `variant`'s object (its `compile`, `tensors` and `scalars`): its family,
+    or for a companion variant (e.g. the KV-cache split combine) that companion."""
     for fam in FAMILIES:
-        if symbol.startswith(fam.variant.FAMILY_PREFIX + "_"):
-            return fam.variant.from_symbol(symbol)
+        if type(variant) is fam.variant:
+            return fam
+        for comp in fam.companions:
+            if type(variant) is comp.variant:
+                return comp
+    raise TypeError(f"{variant!r} is not a variant of any kernel family or companion")
+
+
+def variant_from_symbol(symbol: str):
+    """The variant an exported symbol names, whatever its family (or companion); ValueError if none."""
+    for desc in (d for fam in FAMILIES for d in (fam, *fam.companions)):
+        if symbol.startswith(desc.variant.FAMILY_PREFIX + "_"):
+            return desc.variant.from_symbol(symbol)
     raise ValueError(f"{symbol=} names no variant of the families {[f.name for f in FAMILIES]}")
+
+
+def objects_of(menu) -> list:
+    """Every variant the build compiles an object for: `menu`, then the companion variants its
+    variants launch, each once (sorted by symbol)."""
+    companions = {comp.of(v) for v in menu for comp in family_of(v).companions}
+    return list(menu) + sorted(companions, key=lambda c: c.symbol)
 
 
 def default_menu() -> tuple:

@@ -231,6 +231,26 @@ class PublicEntry:
 
 
 @dataclass(frozen=True)
+class Companion:
+    """A kernel a family's variants launch after their own when `when` holds (e.g. the KV-cache split
+    combine), compiled once per companion variant -- `of(variant)`, a coarser key than the family's --
+    instead of into every variant's object. Its exported wrapper takes `tensors` and `scalars`, C++
+    expressions over the family's Params `p` like the family's own (the stream is appended); the
+    generated Variant row launches it after the variant's kernel and loads it with the variant.
+
+    Its variant dataclass (the Variant mixin, a FAMILY_PREFIX of its own, an `arch` field) names its
+    object file and wrapper; `compile` is "module:function", as a family's."""
+
+    name: str  # C++ member names: <name>_fn, <name>_module
+    variant: type
+    of: Callable[[Any], Any]  # a family variant -> the companion variant it launches
+    tensors: tuple[TensorArg, ...]
+    scalars: tuple[ScalarArg, ...]
+    when: str  # C++ condition over `p`: launch it after the variant's kernel
+    compile: str
+
+
+@dataclass(frozen=True)
 class KernelFamily:
     """Everything about one family that is not kernel code. See the module docstring."""
 
@@ -253,6 +273,8 @@ class KernelFamily:
     # CTAs of a variant resident per SM (its kernel configuration), emitted into the generated
     # Variant table as `ctas_per_sm` for the handler's work split; None: 1 for every variant.
     ctas_per_sm: Callable[[Any], int] | None = None
+    # Kernels compiled apart and launched after a variant's own (Companion).
+    companions: tuple[Companion, ...] = ()
 
     def __post_init__(self):
         names = {f.name for f in fields(self.variant)}

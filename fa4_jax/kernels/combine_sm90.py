@@ -6,14 +6,16 @@ exp(lse_s) + exp(sink)). Sinks join only here (a split must not count them). `me
 merge of one (batch, query, q-head) row by one warp. Two places run it:
 - the last split CTA of each tile to finish (split_epilogue.merge_splits_if_last), when the handler
   hands the kernel a zeroed semaphore per tile (ffi/kvcache.cc): no second launch;
-- otherwise this file's kernel, launched right after the attention kernel by the same exported
-  function, one warp per row.
+- otherwise this file's kernel, one warp per row: its own exported object per (arch, dtype,
+  head_dim) (kernels/combine.py, the KV-cache family's companion COMBINE in ops/kvcache/spec.py),
+  which the handler's generated launch runs right after the attention kernel.
 """
 
 from __future__ import annotations
 
 import math
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -100,8 +102,19 @@ class SplitCombineSm90:
     def __init__(self, head_dim: int):
         self.head_dim = head_dim
 
-    def launch(self, rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits, stream):
-        """Host side: `rows` = batch * seqlen_q * q-heads."""
+    @cute.jit
+    def __call__(
+        self,
+        mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
+        mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
+        mO: cute.Tensor,  # (qb, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (qb, h_q, s_q) float32
+        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The exported C ABI (ops/kvcache/spec.py COMBINE): one warp per (batch, query, q-head) row."""
+        rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.combine(mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits).launch(
             grid=[cute.ceil_div(rows, COMBINE_ROWS_PER_CTA), 1, 1],
             block=[32 * COMBINE_ROWS_PER_CTA, 1, 1],

@@ -49,3 +49,9 @@ def fake_i32(rank: int):
     shape = tuple(cute.SymInt() for _ in range(rank))
     strides = (stride(), 1) if rank == 2 else (stride(),)
     return make_fake_tensor(cutlass.Int32, shape, strides, assumed_align=4)
+
+
+def fake_o_accum(head_dim: int):
+    """The split workspace's partial O: (splits, b, s_q, h_q, d) float32, d static and unit-stride."""
+    shape = tuple(cute.SymInt() for _ in range(4)) + (head_dim,)
+    return make_fake_tensor(cutlass.Float32, shape, tuple(stride(4) for _ in range(4)) + (1,), assumed_align=16)

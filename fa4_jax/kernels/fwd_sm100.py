@@ -93,7 +93,6 @@ from cutlass.memory import TmemAllocator
 
 from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
-from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config_sm100 import RESCALE_THRESHOLD_LOG2, WARP_ROLES_BY_Q_STAGE, Sm100FwdConfig, tile_of_block
 from fa4_jax.kernels.exp2_fma import exp2_fma
 from fa4_jax.kernels.mask import mask_row_in_order
@@ -268,7 +267,8 @@ class FlashAttentionForwardSm100:
         mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
         mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
-        mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): a combine launch
+        mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): the combine
+        # kernel follows (ops/kvcache/spec.py COMBINE, launched by the handler)
         mKScale: cute.Tensor,  # (h_k,) FP8 caches' scales: no SM100 variant reads FP8 caches (spec.FP8_ARCHES)
         mVScale: cute.Tensor,
         softmax_scale_log2: Float32,
@@ -283,7 +283,7 @@ class FlashAttentionForwardSm100:
     ):
         """The KV-cache family's C ABI (the same as fwd_sm90's call_kvcache): one CTA per (m_block, KV
         head, sequence, split) tile, as the handler (ffi/kvcache.cc) sizes the workspace and the tile
-        counters for; with splits and no counters, the combine kernel follows."""
+        counters for; with splits and no counters, the handler launches the combine kernel after it."""
         if const_expr(not self.cache):
             raise TypeError(f"this kernel is configured for {self.seams}, not a KV cache")
         cfg = self.cfg
@@ -325,11 +325,6 @@ class FlashAttentionForwardSm100:
             mPageTable, mSeqlensK, mOaccum, mLSEaccum, mTileList, mSemaphores, num_splits, mK.shape[0], ragged, n_listed,
             None,
         ).launch(grid=[tiles, 1, 1], block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
-        if num_splits > 1:
-            # Without tile counters (ffi/kvcache.cc could not give any) a second kernel merges the splits.
-            if mSemaphores.shape[0] == 0:
-                rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
-                SplitCombineSm90(cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits, stream)
 
     def _tiled_mmas(self, dtype):
         """(tiled_mma_qk, tiled_mma_pv, their MNK tiles): S = Q K^T with both operands K-major from

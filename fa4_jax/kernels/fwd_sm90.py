@@ -65,7 +65,6 @@ from cutlass.utils import LayoutEnum
 from fa4_jax.kernels import epilogue_sm90 as epi
 from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
-from fa4_jax.kernels.combine_sm90 import SplitCombineSm90
 from fa4_jax.kernels.config import Sm90FwdConfig
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
@@ -197,7 +196,8 @@ class FlashAttentionForwardSm90:
         mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
         mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
         mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
-        mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): a combine launch
+        mSemaphores: cute.Tensor,  # (n,) int32 zeroed tile counters: the combine fused; (0,): the combine
+        # kernel follows (ops/kvcache/spec.py COMBINE, launched by the handler)
         mKScale: cute.Tensor,  # (h_k,) float32: FP8 caches' scales (read by kv_fp8 variants only)
         mVScale: cute.Tensor,
         softmax_scale_log2: Float32,
@@ -230,12 +230,6 @@ class FlashAttentionForwardSm90:
                     mLSEaccum=mLSEaccum, mCuSeqlensQ=mCuSeqlensQ, num_splits=num_splits, kv_len=mK.shape[0],
                     num_m_blocks=num_m_blocks, ragged=ragged, mTileList=mTileList, n_listed=n_listed,
                     mSemaphores=mSemaphores, mKScale=mKScale, mVScale=mVScale)
-        if num_splits > 1:
-            # Without tile counters (ffi/kvcache.cc could not give any) a second kernel merges the splits.
-            if mSemaphores.shape[0] == 0:
-                rows = mQ.shape[0] * mQ.shape[1] * mQ.shape[2]
-                SplitCombineSm90(self.cfg.head_dim).launch(rows, mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits,
-                                                           stream)
 
     def expect(self, seqlens: Seqlens):
         """An entry point adapts one family's C ABI, i.e. the tensors of one seqlens seam."""

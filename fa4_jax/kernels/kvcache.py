@@ -9,10 +9,9 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_tensor
 
 from fa4_jax.ops.kvcache.spec import KVCacheVariant
-from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, fake_i32, stride
+from fa4_jax.kernels.common import DTYPES, compile_options, fake_bshd, fake_f32, fake_i32, fake_o_accum
 
 
 def make_kernel(variant: KVCacheVariant):
@@ -40,12 +39,6 @@ def make_kernel(variant: KVCacheVariant):
     raise NotImplementedError(f"no KV-cache kernel for {variant.arch=} yet")
 
 
-def _fake_o_accum(head_dim: int):
-    """(splits, b, s_q, h_q, d) float32, d static and unit-stride."""
-    shape = tuple(cute.SymInt() for _ in range(4)) + (head_dim,)
-    return make_fake_tensor(cutlass.Float32, shape, tuple(stride(4) for _ in range(4)) + (1,), assumed_align=16)
-
-
 def compile_variant(variant: KVCacheVariant):
     dtype = DTYPES[variant.dtype]
     kv_dtype = cutlass.Float8E4M3FN if variant.kv_fp8 else dtype
@@ -53,7 +46,7 @@ def compile_variant(variant: KVCacheVariant):
     k, v = (fake_bshd(kv_dtype, variant.head_dim) for _ in range(2))
     page_table, seqlens, cu_seqlens_q, tile_list = fake_i32(2), fake_i32(1), fake_i32(1), fake_i32(1)
     lse, lse_accum = fake_f32(3), fake_f32(4)
-    o_accum = _fake_o_accum(variant.head_dim)
+    o_accum = fake_o_accum(variant.head_dim)
     sinks = fake_f32(1, unit_stride=False)
     semaphores = fake_i32(1)
     k_scale, v_scale = fake_f32(1, unit_stride=False), fake_f32(1, unit_stride=False)

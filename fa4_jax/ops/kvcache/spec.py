@@ -7,8 +7,9 @@ then sees q as (1, total_q, heads_q, d). Its kernels (fa4_jax/kernels/fwd_sm90.p
 that share a KV head together (pack-GQA: K/V are read once per KV head), may split each sequence's
 keys over several CTAs (split-KV, `num_splits`), and merge the splits in the last split CTA of each
 tile to finish (counting in on the device's zero-at-rest counters, ffi/runtime.h ZeroedCounters) or,
-for ragged calls and when the counters cannot serve, with a combine kernel launched by the same
-exported function. The handler is ffi/kvcache.cc.
+for ragged calls and when the counters cannot serve, with a combine kernel launched right after
+(COMBINE: compiled once per arch, dtype and head dim, not into every variant). The handler is
+ffi/kvcache.cc.
 
 Compile-time: softcap on/off, paged or contiguous cache (the producer's address arithmetic), query
 rows per tile (64 for decode, 128 for chunks). Run time: cache_seqlens, page table, page size, ragged
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.families.base import DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
-from fa4_jax.families.base import PublicEntry, TensorArg, bool_literal, int_literal, params_as_scalars, parse_hd
+from fa4_jax.families.base import ARCH_CC, DTYPES, Attr, Buffer, CallSignature, Companion, Field, KernelFamily
+from fa4_jax.families.base import KeyField, PublicEntry, TensorArg, Variant, bool_literal, int_literal
+from fa4_jax.families.base import params_as_scalars, parse_hd
 from fa4_jax.ops.fwd.spec import ARCHES, ATTENTION_KEY, HEAD_DIMS, SINKS, SOFTMAX_ATTRS, SOFTMAX_PARAMS, SOFTMAX_SCALARS
 from fa4_jax.ops.fwd.spec import AttentionVariant
 
@@ -176,6 +178,36 @@ def default_menu() -> tuple[KVCacheVariant, ...]:
     return wide + fp8
 
 
+@dataclass(frozen=True, order=True)
+class CombineVariant(Variant):
+    """The split combine (kernels/combine_sm90.py) a KV-cache variant launches when its splits were not
+    merged by their last CTA: it reads only the float32 partials and writes o / lse, so it depends on
+    the architecture, o's dtype and head_dim alone -- 20 objects instead of a copy in each of the
+    family's 264 (0.8 s of each one's compile, BUILD.md "Build time")."""
+
+    FAMILY_PREFIX = "fa4_combine"
+
+    arch: str = "sm90"
+    dtype: str = "bf16"
+    head_dim: int = 128
+
+    def __post_init__(self):
+        self.check_fields({"arch": ARCH_CC, "dtype": DTYPES, "head_dim": HEAD_DIMS})
+
+    def _symbol_parts(self):
+        return (self.arch, self.dtype, f"hd{self.head_dim}")
+
+    @classmethod
+    def _from_parts(cls, parts):
+        if len(parts) != 3:
+            raise ValueError(f"expected arch_dtype_hdN, got {'_'.join(parts)!r}")
+        return cls(arch=parts[0], dtype=parts[1], head_dim=parse_hd(parts[2]))
+
+
+def combine_of(variant: KVCacheVariant) -> CombineVariant:
+    return CombineVariant(variant.arch, variant.dtype, variant.head_dim)
+
+
 def _strided(name: str, ptr: str, shapes: tuple[str, ...], stride: str, n_strides: int) -> TensorArg:
     return TensorArg(name, f"p.{ptr}", shapes, tuple(f"p.{stride}[{i}]" for i in range(n_strides)))
 
@@ -261,6 +293,39 @@ def _shape_fields(seqlen_q: int, page_size: int | None) -> dict:
     return fields
 
 
+_TENSORS = (
+    _strided("mQ", "q", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
+    _strided("mK", "k", ("p.kv_rows", "p.kv_len", "p.h_k"), "kv_stride", 3),
+    _strided("mV", "v", ("p.kv_rows", "p.kv_len", "p.h_k"), "kv_stride", 3),
+    TensorArg("mPageTable", "p.page_table", ("p.b", "p.max_pages"), ("p.max_pages",)),
+    TensorArg("mSeqlensK", "p.cache_seqlens", ("p.b",), ("1",)),
+    TensorArg("mCuSeqlensQ", "p.cu_seqlens_q", ("p.b + 1",), ("1",)),
+    TensorArg("mTileList", "p.tile_list", ("2 * p.n_listed",), ("1",)),
+    _strided("mO", "o", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
+    TensorArg("mLSE", "p.lse", ("p.qb", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
+    TensorArg("mOaccum", "p.o_accum", ("p.splits_cap", "p.qb", "p.s_q", "p.h_q"),
+              tuple(f"p.o_accum_stride[{i}]" for i in range(4))),
+    TensorArg("mLSEaccum", "p.lse_accum", ("p.splits_cap", "p.qb", "p.h_q", "p.s_q"),
+              tuple(f"p.lse_accum_stride[{i}]" for i in range(3))),
+    TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
+    TensorArg("mSemaphores", "p.semaphores", ("p.n_semaphores",), ("1",)),
+    TensorArg("mKScale", "p.k_scale", ("p.h_k",), ("1",)),
+    TensorArg("mVScale", "p.v_scale", ("p.h_k",), ("1",)),
+)
+_COMBINE_TENSORS = ("mOaccum", "mLSEaccum", "mO", "mLSE", "mSinks")
+
+# With splits and no tile counters (a ragged call, FA4_JAX_FUSE_COMBINE=0, or a pool that cannot
+# serve: ffi/kvcache.cc), the combine merges the partials the attention kernel left in the workspace.
+COMBINE = Companion(
+    name="combine",
+    variant=CombineVariant,
+    of=combine_of,
+    tensors=tuple(next(t for t in _TENSORS if t.name == n) for n in _COMBINE_TENSORS),
+    scalars=params_as_scalars(_PARAMS, "num_splits"),
+    when="p.num_splits > 1 && p.semaphores == nullptr",
+    compile="fa4_jax.kernels.combine:compile_variant",
+)
+
 KVCACHE = KernelFamily(
     name="kvcache",
     # v2: page_table optional (has_page_table), no `paged` attribute (v1 sent a dummy table and `paged`).
@@ -271,25 +336,7 @@ KVCACHE = KernelFamily(
     target="fa4_jax_kvcache_v6",
     variant=KVCacheVariant,
     params=_PARAMS,
-    tensors=(
-        _strided("mQ", "q", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
-        _strided("mK", "k", ("p.kv_rows", "p.kv_len", "p.h_k"), "kv_stride", 3),
-        _strided("mV", "v", ("p.kv_rows", "p.kv_len", "p.h_k"), "kv_stride", 3),
-        TensorArg("mPageTable", "p.page_table", ("p.b", "p.max_pages"), ("p.max_pages",)),
-        TensorArg("mSeqlensK", "p.cache_seqlens", ("p.b",), ("1",)),
-        TensorArg("mCuSeqlensQ", "p.cu_seqlens_q", ("p.b + 1",), ("1",)),
-        TensorArg("mTileList", "p.tile_list", ("2 * p.n_listed",), ("1",)),
-        _strided("mO", "o", ("p.qb", "p.s_q", "p.h_q"), "q_stride", 3),
-        TensorArg("mLSE", "p.lse", ("p.qb", "p.h_q", "p.s_q"), ("p.lse_stride[0]", "p.lse_stride[1]")),
-        TensorArg("mOaccum", "p.o_accum", ("p.splits_cap", "p.qb", "p.s_q", "p.h_q"),
-                  tuple(f"p.o_accum_stride[{i}]" for i in range(4))),
-        TensorArg("mLSEaccum", "p.lse_accum", ("p.splits_cap", "p.qb", "p.h_q", "p.s_q"),
-                  tuple(f"p.lse_accum_stride[{i}]" for i in range(3))),
-        TensorArg("mSinks", "p.sinks", ("p.h_q",), ("1",)),
-        TensorArg("mSemaphores", "p.semaphores", ("p.n_semaphores",), ("1",)),
-        TensorArg("mKScale", "p.k_scale", ("p.h_k",), ("1",)),
-        TensorArg("mVScale", "p.v_scale", ("p.h_k",), ("1",)),
-    ),
+    tensors=_TENSORS,
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
                               "num_splits", "ragged", "max_seqlen_q", "n_listed"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
@@ -301,6 +348,7 @@ KVCACHE = KernelFamily(
     default_menu=default_menu,
     kernel_mask=kernel_mask,
     ctas_per_sm=ctas_per_sm,
+    companions=(COMBINE,),
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
                               (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
                               (("paged", paged),), _shape_fields)
