@@ -179,7 +179,8 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   SetSoftmaxAndWindow(p, softmax, c.window_left, c.window_right, capacity, max_seqlen_q);
   p.num_splits = static_cast<int32_t>(splits);
   // With splits, the last split CTA of each tile merges the tile (one launch) when the device's
-  // counter pool serves the call; otherwise the exported function launches the combine kernel.
+  // counter pool serves the call; otherwise the generated Variant::launch runs the family's
+  // companion combine kernel after it (its condition: splits > 1 and no counters).
   // FA4_JAX_FUSE_COMBINE=0 forces the latter (tests and A/B timing of both paths).
   p.semaphores = nullptr;
   p.n_semaphores = 0;

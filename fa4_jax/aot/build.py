@@ -139,7 +139,9 @@ def build(out: Path, jobs: int, force: bool = False, request: Path | None = None
             indent=1, sort_keys=True,
         ) + "\n",
     )
-    _log(f"done: {len(menu)} variant(s) ({n_compiled} compiled, {n_cached} cached) in "
+    n_companions = len(objects_of(menu)) - len(menu)
+    _log(f"done: {len(menu)} variant(s) and {n_companions} companion(s) ({n_compiled} objects compiled, "
+         f"{n_cached} cached) in "
          f"{time.perf_counter() - t_start:.1f} s; families: {', '.join(f.name for f in families)}")
 
 
