@@ -1215,7 +1215,7 @@ class FlashAttentionForwardSm100:
                 sink = mSinks[head * blocks.qhead_per_kv + row % blocks.qhead_per_kv] * _LOG2E
         else:
             sink = mSinks[head] * _LOG2E
-        max_scaled = -Float32.inf if row_max == -Float32.inf else row_max * softmax_scale_log2
+        max_scaled = row_max  # (scaled already: _softmax_block)
         # The Hopper kernel's normalisation (a +inf sink takes the whole mass: o = 0, lse = +inf).
         inv_t, lse_t = cute.make_rmem_tensor(1, Float32), cute.make_rmem_tensor(1, Float32)
         finalize_row(inv_t, lse_t, 0, row_sum, max_scaled, sink)
@@ -1292,16 +1292,21 @@ class FlashAttentionForwardSm100:
         block_max = rS[0]
         for i in cutlass.range_constexpr(1, cute.size(rS)):
             block_max = cute.arch.fmax(block_max, rS[i])
+        # row_max is the running max already scaled (m * scale_log2, rounded once), as in
+        # softmax.OnlineSoftmax: every exponent and every rescale factor is taken against that one
+        # stored value, so its rounding is common to all of a row's terms and cancels in O and the
+        # LSE. (A factor computed as (m_prev - m) * scale_log2 disagrees with the exponents by up to
+        # ulp(|m * scale_log2|): 4-9% off at scale 1 with scores near 2^20, tests/test_gpu_isolation.)
+        block_max = block_max * softmax_scale_log2
         # Conditional rescaling: keep the stale max unless it grows by more than the threshold.
         new_max = row_max
-        if row_max == -Float32.inf or (block_max - row_max) * softmax_scale_log2 > RESCALE_THRESHOLD_LOG2:
+        if row_max == -Float32.inf or block_max - row_max > RESCALE_THRESHOLD_LOG2:
             new_max = block_max
         scale = Float32(1.0)
         if new_max != row_max:
-            scale = 0.0 if row_max == -Float32.inf else cute.math.exp2((row_max - new_max) * softmax_scale_log2,
-                                                                      fastmath=True)
+            scale = 0.0 if row_max == -Float32.inf else cute.math.exp2(row_max - new_max, fastmath=True)
         row_max = new_max
-        max_scaled = 0.0 if row_max == -Float32.inf else row_max * softmax_scale_log2
+        max_scaled = 0.0 if row_max == -Float32.inf else row_max
         # S is in registers (tcgen05.wait::ld above): its buffer may take P now. tcgen05.fence
         # before each hand-over of Tensor Memory to the MMA warp, which fences after its wait: the
         # PTX ISA's pattern for tcgen05 accesses ordered through a thread synchronization.
@@ -1346,7 +1351,9 @@ class FlashAttentionForwardSm100:
         at = blocks.seqlen  # dense: the rows are the tile's own
         if const_expr(self.varlen):
             at, _ = self._varlen_seqlen(mCuSeqlensQ, mCuSeqlensK, mSequsedK, num_batch, mLSE.shape[1], batch)
-        if self._row_stored(mLSE.shape[1], blocks.seqlen, row):
+        # The bounds check takes the offsets the store uses (blocks.seqlen has the lengths only: a
+        # varlen row at a broken cu_seqlens_q offset would pass it and write outside mLSE).
+        if self._row_stored(mLSE.shape[1], at, row):
             self._store_lse(mLSE, at, row, head, batch, lse)
         if const_expr(self.varlen):
             if pad:
