@@ -97,17 +97,20 @@ inline bool Aligned(const void *p, uintptr_t bytes) { return reinterpret_cast<ui
 // initialize stage, which XLA runs before any capture, normally did it already).
 ffi::Error PrepareForLaunch(const char *target, const VariantInfo &v, cudaStream_t stream, int device);
 
-// Runs `launch` (a generated thunk calling one exported wrapper) and turns its return code or a
-// launch error into an ffi::Error naming the variant. Clears this library's own (static) CUDA
-// runtime's last error first, so only this launch is reported; XLA's runtime state is not touched.
+// Runs `launch` (the generated Variant::launch: one exported wrapper, then its companions') and turns
+// its return code or a launch error into an ffi::Error naming the kernel: `launch(&failed)` points
+// `failed` at the symbol of the wrapper it is about to call (initially `symbol`, the variant's).
+// Clears this library's own (static) CUDA runtime's last error first, so only this launch is
+// reported; XLA's runtime state is not touched.
 template <typename Launch>
 ffi::Error CheckedLaunch(const char *target, const char *symbol, Launch &&launch) {
   (void)cudaGetLastError();
-  const int32_t ret = launch();
+  const char *failed = symbol;
+  const int32_t ret = launch(&failed);
   cudaError_t err = ret != 0 ? static_cast<cudaError_t>(ret) : cudaGetLastError();
   if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(target) + ": " + symbol + ": kernel launch failed: " +
-                              CudaErrorText(err));
+  std::string which = failed == symbol ? std::string(symbol) : std::string(failed) + " (after " + symbol + ")";
+  return ffi::Error::Internal(std::string(target) + ": " + which + ": kernel launch failed: " + CudaErrorText(err));
 }
 
 }  // namespace fa4_jax

@@ -145,6 +145,19 @@ def _prepare(lib, symbol, device=0):
     return lib.fa4_jax_prepare_variant(symbol.encode(), device, err, len(err)), err.value.decode()
 
 
+def test_a_variant_loads_its_companion_first(lib, lib_symbols, monkeypatch):
+    # The KV-cache variants launch the split combine, a companion object of their (arch, dtype,
+    # head_dim): loading a variant loads it first, and its failure is the variant's, named.
+    from fa4_jax.ops.kvcache.spec import COMBINE
+
+    kv = [s for s in lib_symbols if s.startswith("fa4_kvcache_")]
+    if not kv:
+        pytest.skip("library built without KV-cache variants")
+    monkeypatch.setenv("FA4_JAX_FAIL_MODULE_LOAD", "fa4_combine_")
+    combine = COMBINE.of(variant_from_symbol(kv[0])).symbol
+    assert _prepare(lib, kv[0]) == (1, f"loading {combine} on device 0 failed: simulated by FA4_JAX_FAIL_MODULE_LOAD")
+
+
 def test_prepare_reports_errors_as_text(lib, lib_symbols, monkeypatch):
     # Loading must fail politely (a return code and a sentence), never crash the process: on this
     # GPU-less machine the CUDA runtime itself refuses, and unknown symbols/devices are named.

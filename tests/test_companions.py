@@ -63,16 +63,20 @@ def test_generated_rows_launch_and_load_their_combine():
     for i, v in enumerate(menu):
         c = COMBINE.of(v).symbol
         assert re.search(rf'\{{"{v.symbol}", \{{[^}}]*\}}, &{v.symbol}_launch, &{v.symbol}_module, \d, '
-                         rf'&kVariantInfos\[{i}\], &{c}_launch, &{c}_module\}},', inc), v.symbol
+                         rf'&kVariantInfos\[{i}\], "{c}", &{c}_launch, &{c}_module\}},', inc), v.symbol
         assert f"static const ::fa4_jax::VariantInfo *const {v.symbol}_companions[] = {{&{c}_info}};" in inc
         assert f'{{"{v.symbol}", &{v.symbol}_module, {v.symbol}_companions, 1}},' in inc
     # The row's launch: the attention kernel, then the combine when its condition holds.
-    launch = inc[inc.index("  int32_t launch(const Params &p) const {"):]
+    # (`failed` names the wrapper being called, for the launch error's text: CheckedLaunch.)
+    launch = inc[inc.index("  int32_t launch(const Params &p, const char **failed) const {"):]
     launch = launch[:launch.index("\n  }\n")]
     assert launch.splitlines()[1:] == [
+        "    *failed = symbol;",
         "    if (const int32_t ret = launch_fn(module->state, p); ret != 0) return ret;",
-        "    if (p.num_splits > 1 && p.semaphores == nullptr)",
+        "    if (p.num_splits > 1 && p.semaphores == nullptr) {",
+        "      *failed = combine_symbol;",
         "      if (const int32_t ret = combine_fn(combine_module->state, p); ret != 0) return ret;",
+        "    }",
         "    return 0;",
     ]
 

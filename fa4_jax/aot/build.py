@@ -87,8 +87,10 @@ def compile_menu(menu: list, out: Path, jobs: int, force: bool, dsl_version: str
     if failures:
         details = "\n".join(f"--- {f['symbol']}\n{f['error']}" for f in failures)
         raise AotError(
-            f"{len(failures)} of {len(todo)} variant(s) failed to compile:\n{details}\n"
-            f"(rerun one alone with {MENU_ENV}=... python -m fa4_jax.aot --out {out} --jobs 1)"
+            f"{len(failures)} of {len(todo)} object(s) failed to compile:\n{details}\n"
+            f"(rerun one alone with {MENU_ENV}=... python -m fa4_jax.aot --out {out} --jobs 1; a companion "
+            f"such as fa4_combine_* comes with any variant that launches it, or compile it by symbol with "
+            f"fa4_jax.aot.worker.compile_one)"
         )
     return len(todo), len(cached)
 

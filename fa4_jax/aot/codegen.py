@@ -225,7 +225,7 @@ def _call_code(family: KernelFamily) -> list[str]:
             "  if constexpr (kStage == ffi::ExecutionStage::kExecute)",
             "    if (ffi::Error err = CheckAlignment(c, r.variant->symbol); err.failure()) return err;",
             "  return FinishStage<kStage>(kTarget, *r.variant, r.device, stream,",
-            "                             [&] { return r.variant->launch(r.params); });",
+            "                             [&](const char **failed) { return r.variant->launch(r.params, failed); });",
             "}", "",
             "template <ffi::ExecutionStage kStage>",
             "auto Binding() {",
@@ -298,11 +298,15 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
     out.append("};")
     parts = ' + ", " + '.join(f'"{k.name}=" + {_describe_expr(family, k)}' for k in family.key)
     out.append(f"inline std::string Describe(const Key &k) {{ return {parts}; }}")
-    launch = ["  int32_t launch(const Params &p) const {",
+    # `failed` names the wrapper being called (CheckedLaunch's error text).
+    launch = ["  int32_t launch(const Params &p, const char **failed) const {",
+              "    *failed = symbol;",
               "    if (const int32_t ret = launch_fn(module->state, p); ret != 0) return ret;"]
     for c in family.companions:
-        launch += [f"    if ({c.when})",
-                   f"      if (const int32_t ret = {c.name}_fn({c.name}_module->state, p); ret != 0) return ret;"]
+        launch += [f"    if ({c.when}) {{",
+                   f"      *failed = {c.name}_symbol;",
+                   f"      if (const int32_t ret = {c.name}_fn({c.name}_module->state, p); ret != 0) return ret;",
+                   "    }"]
     launch += ["    return 0;", "  }"]
     out += [
         "",
@@ -314,7 +318,8 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
         "  int ctas_per_sm;  // resident per SM (the kernel's configuration)",
         "  const ::fa4_jax::VariantInfo *registry;  // its kVariantInfos row: loads it and its companions",
         *[line for c in family.companions for line in (
-            f"  int32_t (*{c.name}_fn)(void *state, const Params &p);  // companion {c.variant.__name__}",
+            f"  const char *{c.name}_symbol;  // companion {c.variant.__name__}",
+            f"  int32_t (*{c.name}_fn)(void *state, const Params &p);",
             f"  ::fa4_jax::Module *{c.name}_module;")],
         "  // The variant's kernel, then each companion whose condition holds (in one launch check).",
         *launch,
@@ -345,7 +350,8 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
     for i, v in enumerate(menu):
         key = ", ".join(k.literal(getattr(v, k.name)) for k in family.key)
         ctas = family.ctas_per_sm(v) if family.ctas_per_sm else 1
-        comp = "".join(f", &{c.of(v).symbol}_launch, &{c.of(v).symbol}_module" for c in family.companions)
+        comp = "".join(f', "{c.of(v).symbol}", &{c.of(v).symbol}_launch, &{c.of(v).symbol}_module'
+                       for c in family.companions)
         out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module, {ctas}, &kVariantInfos[{i}]'
                    f'{comp}}},')
     out.append("};")

@@ -21,6 +21,12 @@ from fa4_jax.ops.kvcache.spec import KVCACHE, KVCacheVariant
 from fa4_jax.ops.varlen.spec import VARLEN, VarlenVariant
 
 FAMILIES: tuple[KernelFamily, ...] = (FWD, KVCACHE, VARLEN)
+# A symbol prefix names one family or one companion (description_of and variant_from_symbol take the
+# first match): two families sharing a companion must share the Companion object itself.
+_PREFIXES = [d.variant.FAMILY_PREFIX for d in {id(d): d for f in FAMILIES for d in (f, *f.companions)}.values()]
+if len(set(_PREFIXES)) != len(_PREFIXES) or any(a != b and a.startswith(b + "_") for a in _PREFIXES
+                                                 for b in _PREFIXES):
+    raise ValueError(f"kernel families and companions need distinct symbol prefixes: {sorted(_PREFIXES)}")
 
 MENU_ENV = "FA4_JAX_VARIANTS"
 
