@@ -12,7 +12,7 @@ from fa4_jax.aot.cubin import cubin_resources, register_pool_problem
 from fa4_jax.core import library as _ffi
 
 ATTN = "kernel_cutlass_kernel_fa4_jaxkernelsfwd_sm90FlashAttentionForwardSm90_x"
-COMBINE = "kernel_cutlass_combine_fa4_jaxkernelscombine_sm90SplitCombineSm90_x"
+COMBINE = "kernel_cutlass_combine_fa4_jaxkernelscombineSplitCombine_x"
 
 
 def test_register_pool_fits_or_names_the_shortfall():

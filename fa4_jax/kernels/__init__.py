@@ -8,6 +8,6 @@ family's split combine has an entry of its own (combine: one object per arch, dt
 one configuration of one forward kernel per architecture (fwd_sm90; fwd_sm100 on Blackwell, with
 config_sm100 and exp2_fma), switched at its seams (seams.py): `tile_problem` and `seqlen` (sequence
 lengths), `loaders` (Q, K/V), `tile_scheduler` (with `tile_order`, its plain arithmetic),
-`epilogue_sm90`, `split_epilogue` and `combine_sm90` (O). Shared pieces: `common` (fake tensors, compile options), `config`, `block_info`, `mask`,
+`epilogue_sm90`, `split_epilogue` and `split_merge` (O). Shared pieces: `common` (fake tensors, compile options), `config`, `block_info`, `mask`,
 `softmax`, `named_barrier`, `utils`.
 """

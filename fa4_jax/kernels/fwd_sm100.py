@@ -113,7 +113,7 @@ _BAR_EPILOGUE = 3  # KV cache: the correction warpgroup's split merge (split_epi
 # One warpgroup corrects (and stores) O whatever the Q tiles per CTA (config_sm100.WARP_ROLES_BY_Q_STAGE).
 _CORRECTION_THREADS = 32 * len(WARP_ROLES_BY_Q_STAGE[1]["correction"])
 assert all(len(r["correction"]) * 32 == _CORRECTION_THREADS for r in WARP_ROLES_BY_Q_STAGE.values())
-# Splits whose partials one correction warp holds at once in the fused merge: 16 (combine_sm90's
+# Splits whose partials one correction warp holds at once in the fused merge: 16 (split_merge's
 # default at head_dim <= 128) spilled at the correction warpgroup's 152-168 registers.
 _MERGE_CHUNK = 8
 

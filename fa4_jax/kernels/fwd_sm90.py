@@ -3,7 +3,7 @@ Build time only.
 
 One kernel body; `FwdSeams` (seams.py) picks at compile time what plugs into each seam: where
 sequence lengths come from (tile_problem.py), how Q and K/V reach shared memory (loaders.py),
-which tiles a CTA takes (tile_scheduler.py) and how O leaves (epilogue_sm90.py, combine_sm90.py).
+which tiles a CTA takes (tile_scheduler.py) and how O leaves (epilogue_sm90.py, split_epilogue.py).
 Each family's exported function is one host entry below (call_dense, call_varlen, call_kvcache):
 it adapts the family's C ABI and launches the same `kernel`.
 

@@ -24,7 +24,7 @@ the same ones):
     TMA_STORE       O staged in shared memory, one TMA box (dense: the box ends where the tensor does)
     ROW_STORE       from registers with a row predicate (varlen: a box would clobber the next sequence)
     SPLIT_PARTIALS  from registers, per packed row: final o / lse, or float32 partials that the
-                    last split CTA of each tile, or the combine kernel, merges (combine_sm90.py)
+                    last split CTA of each tile, or the combine kernel, merges (split_merge.py)
 
 Pure Python: the family entry modules (fwd.py, varlen.py, kvcache.py) pick a preset.
 """

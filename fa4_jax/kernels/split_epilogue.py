@@ -5,7 +5,7 @@ warpgroup).
 
 - fill_unowned_packed_rows: a ragged batch's pseudo-batch tile writes the rows no sequence owns;
 - merge_splits_if_last: the last split CTA of a (batch, KV head, m_block) tile to finish merges the
-  tile's splits (combine_sm90.merge_row, one warp per row), so a split decode is one launch.
+  tile's splits (split_merge.merge_row, one warp per row), so a split decode is one launch.
 
 `tile_m` is the tile's query rows (pack-GQA rows: query * qhead_per_kv + member), `n_threads` the
 threads taking part (`tidx` in [0, n_threads)), `barrier_id` a named barrier of exactly those threads.
@@ -17,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fa4_jax.kernels.combine_sm90 import merge_row
+from fa4_jax.kernels.split_merge import merge_row
 
 
 @cute.jit

@@ -180,7 +180,7 @@ def default_menu() -> tuple[KVCacheVariant, ...]:
 
 @dataclass(frozen=True, order=True)
 class CombineVariant(Variant):
-    """The split combine (kernels/combine_sm90.py) a KV-cache variant launches when its splits were not
+    """The split combine (kernels/combine.py) a KV-cache variant launches when its splits were not
     merged by their last CTA: it reads only the float32 partials and writes o / lse, so it depends on
     the architecture, o's dtype and head_dim alone -- 20 objects instead of a copy in each of the
     family's 264 (0.8 s of each one's compile, BUILD.md "Build time")."""

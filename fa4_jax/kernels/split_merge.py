@@ -1,4 +1,5 @@
-"""Split-KV combine for SM90 (the SPLIT_PARTIALS epilogue's second half, seams.py).
+"""The split-KV merge of one output row (the SPLIT_PARTIALS epilogue's second half, seams.py), the
+same code on every architecture.
 
 With num_splits > 1 every split of a KV-cache tile writes its normalised O and its LSE (float32) to
 a workspace, and the splits are merged: o = sum_s exp(lse_s - lse) o_s with lse = log(sum_s
@@ -6,23 +7,22 @@ exp(lse_s) + exp(sink)). Sinks join only here (a split must not count them). `me
 merge of one (batch, query, q-head) row by one warp. Two places run it:
 - the last split CTA of each tile to finish (split_epilogue.merge_splits_if_last), when the handler
   hands the kernel a zeroed semaphore per tile (ffi/kvcache.cc): no second launch;
-- otherwise this file's kernel, one warp per row: its own exported object per (arch, dtype,
-  head_dim) (kernels/combine.py, the KV-cache family's companion COMBINE in ops/kvcache/spec.py),
-  which the handler's generated launch runs right after the attention kernel.
+- otherwise the combine kernel (kernels/combine.py), one warp per row: its own exported object
+  per (arch, dtype, head_dim), the KV-cache family's companion COMBINE (ops/kvcache/spec.py), which
+  the handler's generated launch runs right after the attention kernel.
+Kept apart from that kernel so that editing it recompiles the 20 combine objects only, not every
+KV-cache variant (the object cache follows each entry module's imports: aot/cache.py).
 """
 
 from __future__ import annotations
 
 import math
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 _LOG2E = 1.4426950408889634
-# One warp per output row, four rows per CTA.
-COMBINE_ROWS_PER_CTA = 4
 
 
 def merge_chunk(head_dim: int) -> int:
@@ -96,37 +96,3 @@ def merge_row(mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLS
     if lane == 0:
         lse = -Float32.inf if empty else (big_safe + cute.math.log2(total, fastmath=True)) * math.log(2.0)
         mLSE[batch, head, query] = Float32.inf if sink_wins else lse
-
-
-class SplitCombineSm90:
-    def __init__(self, head_dim: int):
-        self.head_dim = head_dim
-
-    @cute.jit
-    def __call__(
-        self,
-        mOaccum: cute.Tensor,  # (splits_cap, qb, s_q, h_q, d) float32
-        mLSEaccum: cute.Tensor,  # (splits_cap, qb, h_q, s_q) float32
-        mO: cute.Tensor,  # (qb, s_q, h_q, d)
-        mLSE: cute.Tensor,  # (qb, h_q, s_q) float32
-        mSinks: cute.Tensor,  # (h_q,) float32, -inf = none
-        num_splits: Int32,
-        stream: cuda.CUstream,
-    ):
-        """The exported C ABI (ops/kvcache/spec.py COMBINE): one warp per (batch, query, q-head) row."""
-        rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
-        self.combine(mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits).launch(
-            grid=[cute.ceil_div(rows, COMBINE_ROWS_PER_CTA), 1, 1],
-            block=[32 * COMBINE_ROWS_PER_CTA, 1, 1],
-            stream=stream,
-        )
-
-    @cute.kernel
-    def combine(self, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                mSinks: cute.Tensor, num_splits: Int32):
-        tidx = cute.arch.thread_idx()[0]
-        row = cute.arch.block_idx()[0] * COMBINE_ROWS_PER_CTA + tidx // 32
-        h_q, s_q = mO.shape[2], mO.shape[1]
-        if row < mO.shape[0] * s_q * h_q:
-            merge_row(mOaccum, mLSEaccum, mO, mLSE, mSinks, num_splits, row // (h_q * s_q), (row // h_q) % s_q,
-                      row % h_q, tidx % 32, self.head_dim)
