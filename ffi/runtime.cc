@@ -20,8 +20,9 @@ namespace fa4_jax {
 namespace {
 
 // Fault injection for tests: FA4_JAX_FAIL_MODULE_LOAD=all (or a substring of a variant's or a
-// companion's symbol, e.g. fa4_combine_: a variant then fails on its companion) makes loading fail as a broken driver or an exclusive-process GPU would. Read at every load
-// attempt (loads are rare: once per variant and device), so a test can switch it off again.
+// companion's symbol, e.g. fa4_combine_: a variant then fails on its companion) makes loading fail
+// as a broken driver or an exclusive-process GPU would. Read at every load attempt (loads are rare:
+// once per variant and device), so a test can switch it off again.
 bool SimulatedLoadFailure(const char *symbol) {
   const char *v = std::getenv("FA4_JAX_FAIL_MODULE_LOAD");
   if (v == nullptr || *v == '\0') return false;

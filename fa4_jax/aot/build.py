@@ -46,9 +46,9 @@ def compile_menu(menu: list, out: Path, jobs: int, force: bool, dsl_version: str
     """Compiles every object of the menu (its variants and their companions: objects_of) that is
     missing or stale. Returns (compiled, cached)."""
     objects = objects_of(menu)
-    # Per family or companion: the kernels sources its entry module imports.
-    digests = {d.compile: cache.kernel_sources_digest(d) for d in {description_of(v).compile: description_of(v)
-                                                                   for v in objects}.values()}
+    # Per family or companion (keyed by its entry): the kernels sources its entry module imports.
+    descriptions = {description_of(v).compile: description_of(v) for v in objects}
+    digests = {entry: cache.kernel_sources_digest(d) for entry, d in descriptions.items()}
     fp_path = out / cache.FINGERPRINT_FILE
     fps = cache.read_json(fp_path)
     want = {v.symbol: cache.fingerprint(v, description_of(v), digests[description_of(v).compile], dsl_version)

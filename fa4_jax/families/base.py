@@ -241,7 +241,7 @@ class Companion:
     Its variant dataclass (the Variant mixin, a FAMILY_PREFIX of its own, an `arch` field) names its
     object file and wrapper; `compile` is "module:function", as a family's."""
 
-    name: str  # C++ member names: <name>_fn, <name>_module
+    name: str  # C++ member names of the Variant row: <name>_symbol, <name>_fn, <name>_module
     variant: type
     of: Callable[[Any], Any]  # a family variant -> the companion variant it launches
     tensors: tuple[TensorArg, ...]
