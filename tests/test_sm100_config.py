@@ -38,9 +38,11 @@ def test_tmem_map_fits_and_does_not_overlap(hd, rows, cfg):
     for i in range(cfg.q_stage):
         o0, o1 = m[f"O{i}"]
         assert o1 - o0 == hd and o0 >= 2 * cfg.tile_n
-    # tcgen05.alloc: a power of two >= 32 columns, at most the whole TMEM.
+    # tcgen05.alloc: a power of two >= 32 columns, at most the whole TMEM -- and all of it: the kernel
+    # addresses P in absolute columns, right only for an allocation that starts at column 0.
     a = cfg.tmem_alloc_columns
     assert a & (a - 1) == 0 and 32 <= a <= TMEM_COLUMNS and a >= cfg.tmem_columns
+    assert a == TMEM_COLUMNS
 
 
 @pytest.mark.parametrize("hd,rows,cfg", CONFIGS, ids=IDS)
@@ -147,3 +149,13 @@ def test_tile_order_covers_every_tile_once_longest_first_for_masks(num_m_blocks,
         assert all(w == sorted(w, reverse=True) for w in work)
     else:
         assert all(w == sorted(w) for w in work)
+
+
+def test_a_config_allocating_part_of_tmem_is_refused():
+    """fwd_sm100 builds P's operand from the allocation's layout with absolute columns (the SASS has
+    0x40.., not base + 0x40): a partial allocation, which need not start at column 0, is refused."""
+    import dataclasses
+
+    cfg = CONFIGS[0][2]
+    with pytest.raises(ValueError, match=r"the kernel allocates all 512 TMEM columns; self.tmem_alloc_columns=256"):
+        dataclasses.replace(cfg, head_dim=16, tile_n=64)

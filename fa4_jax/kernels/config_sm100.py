@@ -108,6 +108,11 @@ class Sm100FwdConfig:
         if self.tmem_columns > TMEM_COLUMNS:
             raise ValueError(f"TMEM needs {self.tmem_columns} columns > {TMEM_COLUMNS} "
                              f"({self.q_stage=}, {self.head_dim=})")
+        if self.tmem_alloc_columns != TMEM_COLUMNS:
+            # fwd_sm100 addresses P (the P.V gemm's A operand) in absolute columns: right only while the
+            # allocation starts at column 0, which an allocation of every column guarantees.
+            raise ValueError(f"the kernel allocates all {TMEM_COLUMNS} TMEM columns; {self.tmem_alloc_columns=} "
+                             f"({self.tmem_columns} used, {self.q_stage=}, {self.head_dim=})")
         if self.tile_smem_bytes > SM100_TILE_SMEM_BYTES:
             raise ValueError(f"tiles need {self.tile_smem_bytes} > {SM100_TILE_SMEM_BYTES} bytes of smem")
         if self.kv_stages < MIN_KV_STAGES:
