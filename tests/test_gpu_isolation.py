@@ -120,14 +120,32 @@ def test_sink_semantics_kvcache(num_splits):
 
 
 @VARLEN_FAMILY
-def test_sink_semantics_varlen():
+@pytest.mark.parametrize("end", [170, 150])
+def test_sink_semantics_varlen(end):
+    # end 150: rows 150..169 belong to no sequence (the kernels' padding pseudo-batch): no key, so the
+    # same semantics, a NaN sink making o NaN too (softmax.empty_row_o).
     rng = np.random.default_rng(2)
-    cu = jnp.asarray([0, 50, 170], jnp.int32)
+    cu = jnp.asarray([0, 50, end], jnp.int32)
     q, k, v = (jnp.asarray(rng.standard_normal((170, 8, 64)), jnp.bfloat16) for _ in range(3))
     for impl in ("fa4", "xla"):
         o, lse = fa4_jax.attention_varlen(q, k, v, cu, cu, causal=True, sinks=jnp.asarray(SPECIAL_SINKS),
                                           return_lse=True, implementation=impl)
-        check_sink_semantics(o, lse, 1, 0, SPECIAL_SINKS, f"varlen {impl}")
+        check_sink_semantics(o, lse, 1, 0, SPECIAL_SINKS, f"varlen {impl} end={end}")
+
+
+@KV_FAMILY
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sink_semantics_ragged_kvcache_padding(num_splits):
+    # A ragged batch whose rows 40..47 belong to no sequence: split or not, they get the semantics of a
+    # row without keys (without splits the pseudo-batch writes o itself, with them the combine merges).
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((48, 8, 128)), jnp.bfloat16)
+    kc, vc = (jnp.asarray(rng.standard_normal((2, 2048, 2, 128)), jnp.bfloat16) for _ in range(2))
+    cu, lens = jnp.asarray([0, 1, 40], jnp.int32), jnp.asarray([2048, 1500], jnp.int32)
+    for impl in ("fa4", "xla"):
+        o, lse = fa4_jax.attention_with_kvcache(q, kc, vc, lens, cu_seqlens_q=cu, sinks=jnp.asarray(SPECIAL_SINKS),
+                                                return_lse=True, num_splits=num_splits, implementation=impl)
+        check_sink_semantics(o, lse, 1, 0, SPECIAL_SINKS, f"ragged kvcache {impl} splits={num_splits}")
 
 
 def _integer_qkv(seed, shape_q, shape_kv, top):

@@ -45,6 +45,20 @@ def test_sink_semantics_rows_without_keys_kvcache_and_varlen():
     check_sink_semantics(o, lse, 1, 0, SPECIAL_SINKS, "varlen")
 
 
+def test_sink_semantics_padding_rows_varlen_and_ragged_kvcache():
+    """Rows past cu_seqlens_q[-1] belong to no sequence and see no key: the same semantics as any such
+    row (a NaN sink makes o NaN too), which the kernels' padding paths follow (softmax.empty_row_o)."""
+    q, k, v = _qkv(4, (1, 9, 8, 64), (1, 9, 2, 64))
+    sinks = jnp.asarray(SPECIAL_SINKS)
+    cu = jnp.asarray([0, 3, 6], jnp.int32)  # rows 6..8: padding
+    o, lse = fa4_jax.attention_varlen(q[0], k[0], v[0], cu, cu, sinks=sinks, return_lse=True, implementation="xla")
+    check_sink_semantics(o[6:], lse[:, 6:], 1, 0, SPECIAL_SINKS, "varlen padding rows")
+    kc, vc = (jnp.asarray(np.random.default_rng(5).standard_normal((2, 32, 2, 64)), jnp.bfloat16) for _ in range(2))
+    o, lse = fa4_jax.attention_with_kvcache(q[0], kc, vc, jnp.asarray([32, 16], jnp.int32), cu_seqlens_q=cu,
+                                            sinks=sinks, return_lse=True, implementation="xla")
+    check_sink_semantics(o[6:], lse[:, 6:], 1, 0, SPECIAL_SINKS, "ragged kvcache padding rows")
+
+
 # (1.0, 256): |s| up to ~1e6 exact, m * log2(e) ~ 1e6 with an ulp of 1/8: rescaling blocks by
 # (m_prev - m) * scale (the old kernel) instead of against the stored rounded maxima is off by up to 9%.
 @pytest.mark.parametrize("scale,top", [(1e4, 8), (1.0, 256), (0.125, 64), (1e-3, 2), (1e-30, 4)])

@@ -9,6 +9,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
+from fa4_jax.kernels.softmax import empty_row_o
 from fa4_jax.kernels.utils import acc_as_mn, store_16bit
 
 
@@ -84,19 +85,19 @@ def row_store(acc_O, lse, tOcO, mO, mLSE, head, first_row, num_rows):
 @cute.jit
 def fill_unowned_rows(cfg, mO, mLSE, mSinks, tidx, work, problem):
     """ROW_STORE's padding: a pseudo-batch tile (m_block, head) covers the rows past
-    cu_seqlens_q[batch], strided over the pseudo-batch's m-blocks: o = 0 and lse = the sink logit
-    (-inf without sinks), as the reference defines them."""
+    cu_seqlens_q[batch], strided over the pseudo-batch's m-blocks: o = 0 (NaN with a NaN sink) and
+    lse = the sink logit (-inf without sinks), as the reference defines them."""
     n_threads = 128 * cfg.num_consumer_wg
     # Clamped: a negative offset (a broken contract) must not write before the tensor.
     start = cutlass.max(problem.mCuSeqlensQ[problem.num_batch], 0)
     stride = problem.num_m_blocks * cfg.tile_m
-    zero = Float32(0.0).to(mO.element_type)
+    fill = empty_row_o(mSinks[work.head]).to(mO.element_type)
     row0 = start + work.m_block * cfg.tile_m
     while row0 < problem.total_q:
         for i in cutlass.range(tidx, cfg.tile_m * cfg.head_dim, n_threads, unroll=1):
             row = row0 + i // cfg.head_dim
             if row < problem.total_q:
-                mO[row, i % cfg.head_dim, work.head] = zero
+                mO[row, i % cfg.head_dim, work.head] = fill
         for i in cutlass.range(tidx, cfg.tile_m, n_threads, unroll=1):
             if row0 + i < problem.total_q:
                 mLSE[work.head, row0 + i] = mSinks[work.head]

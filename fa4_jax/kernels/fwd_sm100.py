@@ -100,7 +100,7 @@ from fa4_jax.kernels.loaders import (PAGE_ROWS, KVLoader, gather_packed_q_warp, 
                                      threads_per_row)
 from fa4_jax.kernels.seams import FwdSeams, KVLoad, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
-from fa4_jax.kernels.softmax import OnlineSoftmax, finalize_row
+from fa4_jax.kernels.softmax import OnlineSoftmax, empty_row_o, finalize_row
 from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler
 from fa4_jax.kernels.utils import permute_modes, transpose_2d
@@ -1424,7 +1424,7 @@ class FlashAttentionForwardSm100:
         if const_expr(not self.cache):
             if n_blocks == 0:
                 # No key: O = 0, or NaN with a NaN sink (the softmax wrote lse).
-                fill = self._empty_row_o(mSinks[head])
+                fill = empty_row_o(mSinks[head])
                 for t in cutlass.range_constexpr(self.q_stage):
                     row = (m_block * self.q_stage + t) * cfg.tile_m + tidx
                     if self._row_stored(mO.shape[0], seqlen, row):
@@ -1433,7 +1433,7 @@ class FlashAttentionForwardSm100:
                         if pad:
                             stride = self._pad_stride(num_m_blocks)
                             for r in cutlass.range(row + stride, seqlen_q, stride, unroll=1):
-                                self._fill_o_row(mO, seqlen, r, head, batch)
+                                self._fill_o_row(mO, seqlen, r, head, batch, fill)
         return o_state, sc_state
 
     def _correction_states(self):
@@ -1489,7 +1489,7 @@ class FlashAttentionForwardSm100:
                 lse = mSinks[head_q]
             if problem.num_splits == 1:
                 if n_blocks == 0:
-                    fill = self._empty_row_o(mSinks[head_q])
+                    fill = empty_row_o(mSinks[head_q])
                     out = mO[seqlen.batch_q, pos, head_q, None]
                     for i in cutlass.range_constexpr(cfg.head_dim):
                         out[i] = fill.to(mO.element_type)
@@ -1534,16 +1534,6 @@ class FlashAttentionForwardSm100:
         value = Float32(0.0) if const_expr(fill is None) else fill
         for i in cutlass.range_constexpr(self.cfg.head_dim):
             out[i] = value.to(mO.element_type)
-
-    @staticmethod
-    @cute.jit
-    def _empty_row_o(sink: Float32) -> Float32:
-        """O of a row that sees no key: 0 (softmax.finalize_row's factor is 0 whatever the sink), but
-        NaN with a NaN sink, whose row is NaN, o and lse, as the Hopper kernel's 0 * factor makes it."""
-        fill = Float32(0.0)
-        if sink != sink:
-            fill = sink
-        return fill
 
     def _o_row(self, mO, seqlen: SeqlenInfo, row, head, batch):
         """Row `row` of the tile's sequence in O: (s_q, d, h, b) dense, packed (t, d, h) varlen."""

@@ -155,3 +155,14 @@ def finalize_row(inv: cute.Tensor, lse: cute.Tensor, r, total: Float32, m_scaled
     if sink != sink:
         inv[r] = sink
         lse[r] = sink
+
+
+@cute.jit
+def empty_row_o(sink: Float32) -> Float32:
+    """The O of a row that sees no key, for the kernels that write such rows directly (padding rows
+    no sequence owns, tiles without keys): 0, as finalize_row's factor makes it whatever the sink,
+    but NaN with a NaN sink, whose row is NaN, o and lse (the reference's semantics)."""
+    fill = Float32(0.0)
+    if sink != sink:
+        fill = sink
+    return fill

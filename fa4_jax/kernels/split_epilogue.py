@@ -17,6 +17,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa4_jax.kernels.softmax import empty_row_o
 from fa4_jax.kernels.split_merge import merge_row
 
 
@@ -26,8 +27,9 @@ def fill_unowned_packed_rows(tile_m: cutlass.Constexpr[int], head_dim: cutlass.C
                              seqlen, problem):
     """A ragged batch's padding: the pseudo-batch's tile (m_block, kv-head, split) covers the pack-GQA
     rows past cu_seqlens_q[batch] (seqlen: no keys), strided over the pseudo-batch's m-blocks. What a
-    row without visible keys gets: o = 0 and lse = the sink logit (-inf without sinks); with splits,
-    this split's partial (0, -inf), which the combine turns into the same."""
+    row without visible keys gets: o = 0 (NaN with a NaN sink: softmax.empty_row_o) and lse = the
+    sink logit (-inf without sinks); with splits, this split's partial (0, -inf), which the combine
+    turns into the same."""
     stride = problem.num_m_blocks * tile_m
     rows = seqlen.seqlen_q * problem.qhead_per_kv
     group = problem.qhead_per_kv
@@ -41,7 +43,7 @@ def fill_unowned_packed_rows(tile_m: cutlass.Constexpr[int], head_dim: cutlass.C
                 pos = seqlen.offset_q + query
                 col = i % head_dim
                 if problem.num_splits == 1:
-                    mO[seqlen.batch_q, pos, head, col] = Float32(0.0).to(mO.element_type)
+                    mO[seqlen.batch_q, pos, head, col] = empty_row_o(mSinks[head]).to(mO.element_type)
                 else:
                     mOaccum[work.split, seqlen.batch_q, pos, head, col] = Float32(0.0)
         for i in cutlass.range(tidx, tile_m, n_threads, unroll=1):
