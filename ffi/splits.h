@@ -12,13 +12,18 @@
 
 namespace fa4_jax::splits {
 
+// The most splits a call may take: min(cap, blocks, max_splits), at least 1.
+inline int64_t SplitBound(int64_t blocks, int64_t cap, int64_t max_splits) {
+  return std::max<int64_t>(1, std::min({cap, blocks, max_splits}));
+}
+
 // Splits for `tiles` CTAs of work on `slots` CTA slots: none when the tiles already fill ~a wave;
 // otherwise the smallest count whose last wave is nearly full (>= 95% of the best efficiency), since
 // decode is bandwidth-bound and every idle SM is lost bandwidth. FlashAttention's heuristic, with a
-// stricter threshold (it uses 85%). At most min(cap, blocks, max_splits).
+// stricter threshold (it uses 85%). At most SplitBound(blocks, cap, max_splits).
 inline int64_t FillWave(int64_t tiles, int64_t slots, int64_t blocks, int64_t cap, int64_t max_splits) {
   if (tiles * 5 >= slots * 4) return 1;
-  const int64_t max_s = std::max<int64_t>(1, std::min({cap, blocks, max_splits}));
+  const int64_t max_s = SplitBound(blocks, cap, max_splits);
   double best = 0;
   for (int64_t s = 1; s <= max_s; ++s) {
     const double waves = static_cast<double>(tiles * s) / slots;
@@ -66,7 +71,7 @@ inline int64_t AutoSplits(int64_t tiles, int64_t sms, int64_t ctas_per_sm, int64
     const int64_t fp8_blocks = blocks / kMinFp8SplitGranules;
     const int64_t fp8 = FillWave(tiles, slots, fp8_blocks, cap, max_splits);
     if (fp8 > splits)
-      splits = EvenSplits(fp8, tiles, slots, blocks, std::max<int64_t>(1, std::min({cap, fp8_blocks, max_splits})));
+      splits = EvenSplits(fp8, tiles, slots, blocks, SplitBound(fp8_blocks, cap, max_splits));
   }
   return splits;
 }
