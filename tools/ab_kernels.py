@@ -4,6 +4,7 @@ in its own process (one library per process: the FFI targets share names), alter
 board drift hits both alike.
 
     python tools/ab_kernels.py A=fa4_jax/_lib/libfa4_jax.so B=.base_lib/libfa4_jax.so [C=...] [--rounds 2]
+    python tools/ab_kernels.py A=lib_a.so B=other/lib.so@/path/to/other/checkout   # B with that tree's Python
     python tools/ab_kernels.py --child            # one library's numbers as JSON (FA4_JAX_LIBRARY)
 
 Rows (bf16, device time = 20 dependent calls inside one jitted, unrolled fori_loop, docs/BENCHMARKING.md;
@@ -157,7 +158,8 @@ def _child() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("libs", nargs="*", help="NAME=path/to/libfa4_jax.so (two of them)")
+    ap.add_argument("libs", nargs="*", help="NAME=path/to/libfa4_jax.so[@checkout] (two or more; @checkout: run "
+                    "that library with that checkout's fa4_jax, for a branch whose Python side differs too)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--json", default=None)
@@ -170,9 +172,12 @@ def main() -> int:
         ap.error("give two or more NAME=path libraries (the first is the baseline)")
     times: dict[str, dict[str, list[float]]] = {name: {} for name in libs}
     for r in range(args.rounds):
-        for name, path in libs.items():
-            env = dict(os.environ, FA4_JAX_LIBRARY=os.path.abspath(path), PYTHONPATH=ROOT)
-            res = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True)
+        for name, spec in libs.items():
+            path, _, root = spec.partition("@")
+            root = os.path.abspath(root or ROOT)
+            env = dict(os.environ, FA4_JAX_LIBRARY=os.path.abspath(path), PYTHONPATH=root)
+            res = subprocess.run([sys.executable, os.path.join(root, "tools", "ab_kernels.py"), "--child"], env=env,
+                                 capture_output=True, text=True)
             if res.returncode:
                 print(res.stderr[-3000:], file=sys.stderr)
                 return 1
@@ -182,10 +187,14 @@ def main() -> int:
     a, *others = list(libs)
     head = "".join(f" {b + ' us':>10} {b + '/' + a:>8}" for b in others)
     print(f"\n{'row':<32} {a + ' us':>10}{head}   (median of {args.rounds} rounds)")
-    for row in [r for r in times[a] if all(r in times[b] for b in others)]:
+    # Rows some library lacks (a narrow build, another tile choice) show "-" there.
+    for row in [r for r in times[a] if any(r in times[b] for b in others)]:
         ta = statistics.median(times[a][row])
         cells = ""
         for b in others:
+            if row not in times[b]:
+                cells += f" {'-':>10} {'-':>8}"
+                continue
             tb = statistics.median(times[b][row])
             cells += f" {tb * 1e6:10.1f} {tb / ta:8.3f}"
         print(f"{row:<32} {ta * 1e6:10.1f}{cells}")
