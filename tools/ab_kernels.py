@@ -184,6 +184,9 @@ def main() -> int:
             for row, t in json.loads(res.stdout.strip().splitlines()[-1]).items():
                 times[name].setdefault(row, []).append(t)
             print(f"round {r + 1}: {name} done", flush=True)
+            if args.json:  # after every child: a run cut short by a time limit keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(times, f, indent=1)
     a, *others = list(libs)
     head = "".join(f" {b + ' us':>10} {b + '/' + a:>8}" for b in others)
     print(f"\n{'row':<32} {a + ' us':>10}{head}   (median of {args.rounds} rounds)")
@@ -198,9 +201,6 @@ def main() -> int:
             tb = statistics.median(times[b][row])
             cells += f" {tb * 1e6:10.1f} {tb / ta:8.3f}"
         print(f"{row:<32} {ta * 1e6:10.1f}{cells}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(times, f, indent=1)
     return 0
 
 
