@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,7 +45,10 @@ def _child() -> dict:
 
     def timed(row, f, args, per_call=1):
         """out[row] = seconds per call of f(*args); a library built without the row's variant
-        (a narrow FA4_JAX_VARIANTS build) leaves the row out instead of failing the run."""
+        (a narrow FA4_JAX_VARIANTS build) leaves the row out instead of failing the run; so does a row
+        that --rows (FA4_AB_ROWS here) does not match."""
+        if not re.search(os.environ.get("FA4_AB_ROWS", ""), row):
+            return
         try:
             out[row] = time_per_call(f, [args], **tp) / per_call
         except RuntimeError as e:
@@ -163,6 +167,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", default="", help="only the rows this regular expression matches (re.search)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child()))
@@ -175,7 +180,7 @@ def main() -> int:
         for name, spec in libs.items():
             path, _, root = spec.partition("@")
             root = os.path.abspath(root or ROOT)
-            env = dict(os.environ, FA4_JAX_LIBRARY=os.path.abspath(path), PYTHONPATH=root)
+            env = dict(os.environ, FA4_JAX_LIBRARY=os.path.abspath(path), PYTHONPATH=root, FA4_AB_ROWS=args.rows)
             res = subprocess.run([sys.executable, os.path.join(root, "tools", "ab_kernels.py"), "--child"], env=env,
                                  capture_output=True, text=True)
             if res.returncode:
