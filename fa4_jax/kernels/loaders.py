@@ -231,6 +231,11 @@ def gather_packed_q(cfg, mQ, sQ, tidx, work, seqlen, problem):
     not stored), then make them visible to wgmma."""
     dtype = mQ.element_type
     n_threads = 128 * cfg.num_consumer_wg
+    if const_expr(cfg.num_consumer_wg > 1):
+        # The rows are shared out over every consumer thread, so a warpgroup writes rows of the
+        # other's half: it may do so only once the other's gemms of the previous tile (which read
+        # them) are done. (Decode tiles have one warpgroup, whose own waits order it.)
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=n_threads)
     copy_atom, tiled, vec = row_copy(dtype, cfg.head_dim, n_threads)
     thr = tiled.get_slice(tidx)
     tQsQ = thr.partition_D(sQ)
