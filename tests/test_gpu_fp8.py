@@ -1,5 +1,6 @@
 """The FP8 (float8_e4m3fn) KV-cache kernel on the GPU (`@pytest.mark.gpu`): decode tiles that read FP8
-K/V by TMA and widen them to fp16 in shared memory (fa4_jax/kernels/fwd_sm90.py: dequant, quantize_q).
+K/V by TMA and widen them to fp16 in shared memory, V by two producer warps except with one-row pages
+(fa4_jax/kernels/fwd_sm90.py: dequant, widen_v, quantize_q).
 
 Every case: implementation="fa4" (a missing kernel fails, tests/gpu_menu.py says when one may skip),
 fresh random inputs twice after poisoning the allocator, the cache quantized with per-head scales,
@@ -155,11 +156,11 @@ def test_fp8_speculative_rows(built):
     run_fp8_case(built, s_q=3, lens=[3, 64, 2000], capacity=2000, opts=dict(causal=True), seed=7)
 
 
-@pytest.mark.parametrize("q_scale", [3e4, 1e-5], ids=["q_large", "q_tiny"])
+@pytest.mark.parametrize("q_scale", [3e4, 1e-5, 1e33], ids=["q_large", "q_tiny", "q_huge"])
 def test_fp8_q_outside_fp16_range(built, q_scale):
-    """q far outside fp16's range times k_scale (3e4 * ~9 overflows fp16, 1e-5 underflows its normals):
-    the per-tile power of two keeps the fp16 gemm exact enough (fwd_sm90.quantize_q). The softmax
-    scale keeps the scores moderate."""
+    """q far outside fp16's range times k_scale (3e4 * ~9 overflows fp16, 1e-5 underflows its normals,
+    1e33 ~ 2^110): the per-tile power of two keeps the fp16 gemm exact enough (fwd_sm90.quantize_q).
+    The softmax scale keeps the scores moderate."""
     run_fp8_case(built, lens=[17, 300, 300], capacity=300, q_scale=q_scale,
                  opts=dict(softmax_scale=0.1 / (q_scale * 128 ** 0.5)), seed=11)
 
@@ -191,6 +192,30 @@ def test_fp8_prefill_chunks(built, s_q, page_size):
     sequence is shorter than its chunk (its first rows see no key)."""
     run_fp8_case(built, s_q=s_q, lens=[20, 300, 1999], capacity=1999, page_size=page_size,
                  opts=dict(causal=True), seed=s_q + (page_size or 0))
+
+
+def test_fp8_inf_in_q_stays_in_its_row(built):
+    """An infinite q element makes its own row's output non-finite (as the exact reference does) and
+    no other: the tile's other rows (other q heads of the KV head) keep their power of two."""
+    _require(built, "bf16", 128, False, None)
+    b, cap, h_q, h_k, d = 2, 300, 8, 2, 128
+    rng = np.random.default_rng(21)
+    k = rng.standard_normal((b, cap, h_k, d)).astype(np.float32)
+    v = rng.standard_normal((b, cap, h_k, d)).astype(np.float32)
+    ks, vs = np.float32(0.02), np.float32(0.03)
+    k8, v8 = (jnp.asarray(x / s).astype(FP8) for x, s in ((k, ks), (v, vs)))
+    q = np.array(jax.random.normal(jax.random.key(4), (b, 1, h_q, d), jnp.float32))
+    q[0, 0, 3, 5] = np.inf
+    q = jnp.asarray(q, jnp.bfloat16)
+    lens = jnp.asarray([300, 123], jnp.int32)
+    call = lambda impl: np.asarray(fa4_jax.attention_with_kvcache(  # noqa: E731
+        q, k8, v8, lens, k_scale=ks, v_scale=vs, implementation=impl), np.float32)
+    ours, xla = call("fa4"), call("xla")
+    bad = np.zeros((b, 1, h_q), bool)
+    bad[0, 0, 3] = True
+    assert not np.isfinite(ours[bad]).all() and not np.isfinite(xla[bad]).all()
+    assert np.isfinite(ours[~bad]).all()
+    np.testing.assert_allclose(ours[~bad], xla[~bad], atol=2e-2 * np.abs(xla[~bad]).max(), rtol=0)
 
 
 @pytest.mark.parametrize("case", ["plain", "window_two_sided", "everything"])

@@ -43,15 +43,24 @@ def test_hd128_decode_runs_two_ctas_per_sm():
     assert kvcache_config(128, 128, True).ctas_per_sm == 1
 
 
-@pytest.mark.parametrize("hd,stages", [(64, 4), (128, 3)])
+@pytest.mark.parametrize("hd,stages,rows1_stages", [(64, 2, 4), (128, 2, 3)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fp8_decode_runs_two_ctas_per_sm(hd, stages, paged):
-    """FP8 decode tiles are bound by their consumer's widening: two CTAs per SM at hd64 and hd128
-    (the launch's 128 registers shared out exactly), with as many FP8 stages as fit in half an SM."""
-    cfg = kvcache_config(hd, 64, paged, True)
-    assert (cfg.ctas_per_sm, cfg.stages) == (2, stages)
-    assert cfg.consumer_regs + cfg.producer_regs == 2 * SM90_REGS // (2 * cfg.num_threads)
-    assert 2 * (cfg.smem_bytes + 1024) <= 228 * 1024 < 2 * (cfg.smem_bytes + cfg.tile_n * hd * 2 + 1024)
+def test_fp8_decode_runs_two_ctas_per_sm(hd, stages, rows1_stages, paged):
+    """FP8 decode tiles: two CTAs per SM at hd64 and hd128 (the launch's 128 registers shared out
+    exactly: producer 40 / consumer 216), with as many FP8 stages as fit in half an SM beside Q, the
+    widened K buffer and the widened V: the producer's ring of `stages` fp16 buffers (contiguous and
+    16-row-piece pages), or the consumer's one buffer (one-row pages, whose producer warpgroup
+    gathers rows)."""
+    for page_rows, want, widens in ((16, stages, True), (1, rows1_stages, False)):
+        if page_rows == 1 and not paged:
+            continue
+        cfg = kvcache_config(hd, 64, paged, True, page_rows)
+        assert (cfg.ctas_per_sm, cfg.stages, cfg.producer_widens_v) == (2, want, widens)
+        assert (cfg.producer_regs, cfg.consumer_regs) == ((40, 216) if widens or paged else (24, 232))
+        assert cfg.consumer_regs + cfg.producer_regs == 2 * SM90_REGS // (2 * cfg.num_threads)
+        ring = cfg.tile_n * hd * 2 if widens else 0  # one more stage: its FP8 K and V (and fp16 V)
+        assert 2 * (cfg.smem_bytes + 1024) <= 228 * 1024 < 2 * (cfg.smem_bytes + cfg.tile_n * hd * 2 + ring + 1024)
+    assert not kvcache_config(hd, 128, paged, True).producer_widens_v
 
 
 def test_smem_estimate_counts_the_structs_two_slack_kilobytes():
@@ -59,7 +68,7 @@ def test_smem_estimate_counts_the_structs_two_slack_kilobytes():
     fields after the last take a KB each (fwd_sm90.py checks the real size against the limit when it
     compiles; these are the sizes the H200 reported for the two hd128 decode tiles)."""
     assert kvcache_config(128, 64, False).smem_bytes == 83968  # 16 KB Q + 2 x 32 KB K/V + 2 KB
-    four = replace(kvcache_config(128, 64, False, True), stages=4, ctas_per_sm=1)  # what ran until 2026-12-04
+    four = replace(kvcache_config(128, 64, False, True), stages=4, ctas_per_sm=1, producer_widens_v=False)  # what ran until 2026-12-04
     assert four.smem_bytes == 116736 > 115712  # the size ncu reported; one KB over half an SM
 
 

@@ -44,6 +44,10 @@ class Sm90FwdConfig:
     # FP8 K/V (KV-cache decode tiles): the stages hold 1-byte elements, and the consumer widens each
     # block into one fp16 K and one fp16 V buffer that its wgmma reads (fwd_sm90.py, dequant).
     kv_fp8: bool = False
+    # FP8 K/V: two producer warps (fwd_sm90.WIDEN_WARPS) widen each V block into a ring of `stages`
+    # fp16 buffers beside the consumer's gemms, instead of the consumer widening it into one buffer
+    # between them (one-row pages keep the latter: their whole producer warpgroup gathers rows).
+    producer_widens_v: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
     # binary measured), shared memory for one.
@@ -88,7 +92,9 @@ class Sm90FwdConfig:
         elem = 2  # bf16 / fp16
         q = self.tile_m * self.head_dim * elem
         kv = 2 * self.stages * self.tile_n * self.head_dim * (1 if self.kv_fp8 else elem)
-        widened = 2 * self.tile_n * self.head_dim * elem if self.kv_fp8 else 0
+        # The fp16 K buffer and V's (a ring of `stages` when the producer widens V).
+        widened = (1 + (self.stages if self.producer_widens_v else 1)) * self.tile_n * self.head_dim * elem
+        widened = widened if self.kv_fp8 else 0
         # The kernel's shared storage (fwd_sm90.make_shared_storage) aligns every buffer to 1 KB: the
         # mbarriers ahead of the first buffer take one 1 KB slot, and the small fields after the last
         # (FP8 amax, split-merge flag, tile-handout slot) round the struct up by another. (Counting one
@@ -125,7 +131,8 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8: bool = False) -> Sm90FwdConfig:
+def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8: bool = False,
+                   page_rows: int = 16) -> Sm90FwdConfig:
     """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
     warpgroup) for decode, which has few rows, or 128 (two warpgroups) for chunked prefill, which
     is compute-bound like the dense kernel -- and as many K/V stages as shared memory holds, because
@@ -182,12 +189,20 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
 
     if kv_fp8:
         # FP8 stages are half the bytes: twice as many keep the same bytes in flight per SM (as many
-        # as fit: three at hd128 and four at hd64 with two CTAs per SM).
+        # as fit: three at hd128 and four at hd64 with two CTAs per SM where the consumer widens V into
+        # one buffer; two beside the producer's ring of fp16 V stages).
         max_stages *= 2
+    producer_widens = kv_fp8 and tile_m == 64 and not (paged and page_rows == 1)
+    if producer_widens:
+        # The widening warps hold 8 loads at a time before their stores (fwd_sm90.widen_block): 40
+        # registers, as the paged producer; the consumer keeps 216 (the 128 launch registers of two
+        # CTAs per SM shared out exactly; at 200 its split merge spilled).
+        producer_regs, consumer_regs = 40, 216
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
-                             o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound)
+                             o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
+                             producer_widens_v=producer_widens)
 
     stages = 2
     while stages < max_stages:

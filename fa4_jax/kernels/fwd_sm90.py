@@ -80,6 +80,15 @@ from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler, TileHa
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
 from fa4_jax.kernels.utils import wgmma
 
+# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
+WIDEN_WARPS = (1, 2)
+# ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
+WIDEN_LOADS_PER_ROUND = 8
+# quantize_q: the bound of its power of two (2^e and 2^-e stay normal floats), and q's largest finite
+# magnitude by (bits, bf16): bf16 and fp16.
+Q_E_BOUND = 125
+_FINITE_MAX = {(16, True): 3.3895313892515355e38, (16, False): 65504.0}
+
 _LOG2E = 1.4426950408889634
 
 
@@ -108,6 +117,9 @@ class FlashAttentionForwardSm90:
         if self.kv_fp8 and (self.seams.q_load is not QLoad.PACKED_GQA or cfg.num_consumer_wg != 1):
             # The widened K/V buffers are one warpgroup's: it converts a block, then its gemms read it.
             raise ValueError("FP8 K/V: KV-cache tiles of one consumer warpgroup only")
+        if cfg.producer_widens_v and (not self.kv_fp8 or self.kv_gather or cfg.num_consumer_wg != 1):
+            # One-row pages take the whole producer warpgroup to gather rows: no warps left to widen V.
+            raise ValueError("producer_widens_v: FP8 K/V loaded by TMA into a one-warpgroup tile only")
         if page_rows not in PAGE_ROWS_CHOICES:
             raise ValueError(f"page_rows must be one of {PAGE_ROWS_CHOICES}; got {page_rows}")
         if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
@@ -261,6 +273,8 @@ class FlashAttentionForwardSm90:
         sKV16_layout = None
         if const_expr(self.kv_fp8):
             sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=1)[1]
+            sV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages)[1] if cfg.producer_widens_v \
+                else sKV16_layout
             sKV_layout = self.make_smem_layouts(kv_dtype)[1]  # the FP8 stages TMA fills
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -286,7 +300,8 @@ class FlashAttentionForwardSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, cfg.head_dim)
             )
             sO_size = cute.cosize(sQ_layout) if cfg.separate_o else 0
-        self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size, kv_dtype, sKV16_layout)
+        self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size, kv_dtype, sKV16_layout,
+                                                       sV16_layout if const_expr(self.kv_fp8) else None)
         # The launch takes the struct's size: past cfg.smem_limit, fewer CTAs than cfg.ctas_per_sm
         # would be resident (silently: the three 2-CTA decode configs of 2026-12-02 ran one per SM).
         if self.shared_storage.size_in_bytes() > cfg.smem_limit:
@@ -298,7 +313,7 @@ class FlashAttentionForwardSm90:
             mTileList, mSemaphores, mKScale, mVScale,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
-            sKV16_layout, tiled_mma_qk, tiled_mma_pv,
+            sKV16_layout, sV16_layout if const_expr(self.kv_fp8) else None, tiled_mma_qk, tiled_mma_pv,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency_kwargs())
 
     def residency_kwargs(self) -> dict:
@@ -313,10 +328,11 @@ class FlashAttentionForwardSm90:
     # Building blocks (called while tracing: plain Python that emits the same code wherever used).
     # ------------------------------------------------------------------------------------------
     def make_shared_storage(self, dtype, sQ_layout, sKV_layout, sO_size: int | None, kv_dtype=None,
-                            sKV16_layout=None):
+                            sKV16_layout=None, sV16_layout=None):
         """Q's mbarriers only where TMA loads Q; the sO field only for the TMA_STORE epilogue
-        (size 0 when O reuses Q's buffer). FP8 K/V (sKV16_layout given): the stages in kv_dtype, and
-        the widened fp16 K and V buffers with the Q scale's cross-warp slots."""
+        (size 0 when O reuses Q's buffer). FP8 K/V (sKV16_layout given): the stages in kv_dtype, the
+        widened fp16 K buffer and V buffer (sV16_layout: a ring of stages with its mbarriers when the
+        producer widens V), the Q scale's cross-warp slots."""
         cfg = self.cfg
         mbar = cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
 
@@ -328,11 +344,14 @@ class FlashAttentionForwardSm90:
             fields["mbar_q"] = cute.struct.MemRange[cutlass.Int64, 2]
         # (Shared-memory structs hold DSL scalar types: FP8 stages are bytes, viewed as FP8 in kernel.)
         kv_dtype = dtype if kv_dtype is None else (cutlass.Uint8 if self.kv_fp8 else kv_dtype)
-        fields.update(mbar_k=mbar, mbar_v=mbar, sQ=smem(cute.cosize(sQ_layout)),
-                      sK=smem(cute.cosize(sKV_layout), kv_dtype), sV=smem(cute.cosize(sKV_layout), kv_dtype))
+        fields.update(mbar_k=mbar, mbar_v=mbar)
+        if cfg.producer_widens_v:
+            fields["mbar_v16"] = mbar  # the fp16 V ring (make_pipelines)
+        fields.update(sQ=smem(cute.cosize(sQ_layout)), sK=smem(cute.cosize(sKV_layout), kv_dtype),
+                      sV=smem(cute.cosize(sKV_layout), kv_dtype))
         if self.kv_fp8:
             fields.update(sK16=smem(cute.cosize(sKV16_layout), cutlass.Float16),
-                          sV16=smem(cute.cosize(sKV16_layout), cutlass.Float16),
+                          sV16=smem(cute.cosize(sV16_layout), cutlass.Float16),
                           q_amax=cute.struct.MemRange[Float32, 4])
         if self.seams.epilogue is Epilogue.TMA_STORE:
             fields["sO"] = smem(sO_size)
@@ -375,7 +394,10 @@ class FlashAttentionForwardSm90:
 
     def make_pipelines(self, storage, with_q: bool = True):
         """TMA pipelines for Q (one stage; None without with_q), K and V (cfg.stages each), from the
-        storage's mbar_q / mbar_k / mbar_v; ends with the barrier-init fence and a CTA sync."""
+        storage's mbar_q / mbar_k / mbar_v, and with cfg.producer_widens_v the fp16 V ring's
+        (mbar_v16; else None): its producers are the WIDEN_WARPS' threads, which are also the FP8 V
+        stages' consumers (one signalling lane per warp releases). Ends with the barrier-init fence
+        and a CTA sync. Returns (pipe_q, pipe_k, pipe_v, pipe_v16)."""
         cfg = self.cfg
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # TMA pipelines release with one elected thread per consumer warp.
@@ -399,16 +421,28 @@ class FlashAttentionForwardSm90:
                 for mbar in (storage.mbar_k, storage.mbar_v)
             )
         else:
+            v_consumers = consumers
+            if const_expr(cfg.producer_widens_v):
+                v_consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, len(WIDEN_WARPS))
             pipe_k, pipe_v = (
                 pipeline.PipelineTmaAsync.create(
                     barrier_storage=mbar.data_ptr(), num_stages=cfg.stages, producer_group=producer,
-                    consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+                    consumer_group=group, tx_count=self.kv_bytes, defer_sync=True,
                 )
-                for mbar in (storage.mbar_k, storage.mbar_v)
+                for mbar, group in ((storage.mbar_k, consumers), (storage.mbar_v, v_consumers))
+            )
+        pipe_v16 = None
+        if const_expr(cfg.producer_widens_v):
+            # Every widening thread arrives once its stores are fenced; every consumer thread releases.
+            pipe_v16 = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_v16.data_ptr(), num_stages=cfg.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(WIDEN_WARPS)),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * cfg.num_consumer_wg),
+                defer_sync=True,
             )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        return pipe_q, pipe_k, pipe_v
+        return pipe_q, pipe_k, pipe_v, pipe_v16
 
     def consumer_fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg):
         """A consumer warpgroup's gemm operands and accumulators: (tSrQ, tSrK, tOrVt, tOrP, acc_O,
@@ -508,7 +542,8 @@ class FlashAttentionForwardSm90:
         n_listed: Optional[Int32],  # KV cache: entries of mTileList (0: no list)
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
-        sKV16_layout: Optional[cute.ComposedLayout],  # FP8 K/V: the widened fp16 buffers
+        sKV16_layout: Optional[cute.ComposedLayout],  # FP8 K/V: the widened fp16 K buffer
+        sV16_layout: Optional[cute.ComposedLayout],  # ... and V's (a ring with cfg.producer_widens_v)
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
     ):
@@ -521,7 +556,7 @@ class FlashAttentionForwardSm90:
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         self.stamps.start(storage)
-        pipe_q, pipe_k, pipe_v = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
+        pipe_q, pipe_k, pipe_v, pipe_v16 = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         kv_dtype = cutlass.Float8E4M3FN if const_expr(self.kv_fp8) else None  # (mK is TMA coordinates here)
@@ -536,7 +571,7 @@ class FlashAttentionForwardSm90:
         fp8 = None
         if const_expr(self.kv_fp8):
             fp8 = _Fp8Tile(sK, sV, storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner),
-                           storage.sV16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner),
+                           storage.sV16.get_tensor(sV16_layout.outer, swizzle=sV16_layout.inner),
                            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner, dtype=cutlass.Float16),
                            storage.q_amax.get_tensor(cute.make_layout(4)), mKScale, mVScale)
 
@@ -555,11 +590,16 @@ class FlashAttentionForwardSm90:
             elif warp_idx == 0:
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
+            elif const_expr(cfg.producer_widens_v):
+                if warp_idx <= WIDEN_WARPS[-1]:
+                    self.widen_v(pipe_v, pipe_v16, fp8, scheduler, problem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            # With the producer widening V, the consumers' V pipeline is the fp16 ring: they read V as
+            # the 16-bit kernels do (fp8.sV16 holds its stages).
             self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
-                         tiled_mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2, softcap_prescale, scheduler,
-                         problem, sMergeFlag, fp8, handout)
+                         tiled_mma_pv, pipe_q, pipe_k, pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
+                         softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
@@ -668,6 +708,44 @@ class FlashAttentionForwardSm90:
                 state, q_state = self.load_blocks(kv.k, kv.v, None, None, None, pipe_k, pipe_v, state,
                                                   n_block_min, n_block_max, kv.lookup if const_expr(kv.paged) else None)
         return state, q_state
+
+    @cute.jit
+    def widen_v(self, pipe_v, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler, problem: TileProblem):
+        """FP8 K/V with cfg.producer_widens_v, on the WIDEN_WARPS: every V block of the CTA's tiles,
+        in the order the loads and the consumers take them (highest block first), widened from its
+        FP8 stage into the fp16 ring's stage of the same index (the consumers' one pipeline state
+        indexes their K and V rings alike), rows past the sequence's end zeroed. A block waits for
+        its FP8 stage (TMA) and its fp16 stage (the consumers' PV gemm of `stages` blocks earlier);
+        neither waits on a later load, so the loads, the widening and the gemms cannot deadlock.
+        The tiles and blocks are those of load_tile: the same skips (padding pseudo-batch, tiles
+        without rows or blocks)."""
+        cfg = self.cfg
+        tidx = cute.arch.thread_idx()[0] - 32 * WIDEN_WARPS[0]
+        v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        v16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        tile_idx, num_tiles = scheduler.first(), scheduler.total
+        while tile_idx < num_tiles:
+            work = scheduler.tile(tile_idx)
+            if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
+                seqlen = problem.seqlen(work.batch)
+                blocks = problem.blocks(seqlen)
+                n_block_min, n_block_max = problem.n_block_range(blocks, work)
+                if problem.has_rows(work, seqlen) and n_block_max > n_block_min:
+                    for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                        n_block = n_block_max - 1 - i
+                        pipe_v.consumer_wait(v8_state)
+                        pipe_v16.producer_acquire(v16_state)
+                        self.widen_block(fp8.sV8, v8_state.index, fp8.sV16, v16_state.index, tidx,
+                                         32 * len(WIDEN_WARPS), seqlen.seqlen_k - n_block * cfg.tile_n,
+                                         loads_per_round=WIDEN_LOADS_PER_ROUND)
+                        pipe_v16.producer_commit(v16_state)
+                        # One lane per warp releases the FP8 stage: the warp's other lanes' loads of it
+                        # must be done before TMA may overwrite it.
+                        cute.arch.sync_warp()
+                        pipe_v.consumer_release(v8_state)
+                        v8_state.advance()
+                        v16_state.advance()
+            tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
@@ -903,7 +981,7 @@ class FlashAttentionForwardSm90:
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, state)
-        if const_expr(fp8 is not None):
+        if const_expr(fp8 is not None and not cfg.producer_widens_v):
             self.dequant(fp8.sV8, state.index, fp8.sV16, tidx, wg,
                          blocks.seqlen.seqlen_k - n_block_min * cfg.tile_n)
             pipe_v.consumer_release(state)
@@ -921,10 +999,11 @@ class FlashAttentionForwardSm90:
              fp8=None, tidx=None, seqlen_k=None):
         """One K/V block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax of
         S_j overlapping the PV gemm. `state` points at block j+1's stage on entry. fp8: K_j is
-        widened before its gemm (the buffer's last reader, S_{j+1}, is done), V_{j+1} while S_j runs
-        (its buffer's last reader, the PV gemm of block j+2, is done), each FP8 stage released as soon
-        as it is widened."""
+        widened before its gemm (the buffer's last reader, S_{j+1}, is done), and V_{j+1}, unless the
+        producer widens V (then pipe_v is its fp16 ring), while S_j runs (its buffer's last reader, the
+        PV gemm of block j+2, is done), each FP8 stage released as soon as it is widened."""
         cfg = self.cfg
+        widen_v_here = fp8 is not None and not cfg.producer_widens_v
         v_state = state.clone()
         state.advance()
         self._kv_wait(pipe_k, state)
@@ -932,14 +1011,16 @@ class FlashAttentionForwardSm90:
         if const_expr(fp8 is not None):
             self.dequant(fp8.sK8, state.index, fp8.sK16, tidx, wg)
             pipe_k.consumer_release(state)
-            k_stage, v_stage = 0, 0
+            k_stage = 0
+        if const_expr(widen_v_here):
+            v_stage = 0
         self._pingpong_wait(wg)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_stage], zero_init=True, wait=-1)
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, v_state)
-        if const_expr(fp8 is not None):
+        if const_expr(widen_v_here):
             self.dequant(fp8.sV8, v_state.index, fp8.sV16, tidx, wg, seqlen_k - (n_block + 1) * cfg.tile_n)
             pipe_v.consumer_release(v_state)
         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], wait=-1)
@@ -953,7 +1034,7 @@ class FlashAttentionForwardSm90:
             mask.apply(acc_S, m_block, n_block, seqlen=False, window=True)
         scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)
         warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
-        if const_expr(fp8 is None):
+        if const_expr(not widen_v_here):
             pipe_v.consumer_release(v_state)
         store_16bit(tOrP, acc_as_frag_a(acc_S))
         if const_expr(cfg.rescale_o_before_gemm):
@@ -987,40 +1068,52 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def dequant(self, s8, stage, s16, tidx, wg, valid_rows=None):
-        """FP8 K/V: widen block `stage` of the FP8 stages s8 into the fp16 buffer s16 (e4m3 -> fp16
-        is exact: every e4m3 value, subnormals included, is an fp16 number), by the 128 threads of
-        consumer warpgroup `wg`, 8 elements per copy (an 8-byte load, a 16-byte store). Rows from
-        `valid_rows` on (keys past the sequence's end, whose slots or unowned pages may hold
-        anything, NaN included) become zeros, as clear_v_rows does for 16-bit V: P is 0 there, and
-        0 * NaN would be NaN. Then the writes are fenced into the async proxy and the warpgroup
-        syncs, so that its wgmma may read s16 and the FP8 stage may be released."""
+        """FP8 K/V, widened by the consumer: widen_block by the 128 threads of consumer warpgroup
+        `wg` into the one fp16 buffer s16, then the warpgroup syncs, so that its wgmma may read s16
+        and the FP8 stage may be released."""
+        self.widen_block(s8, stage, s16, 0, tidx % 128, 128, valid_rows)
+        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(wg), number_of_threads=128)
+
+    @cute.jit
+    def widen_block(self, s8, stage8, s16, stage16, tidx, n_threads: int, valid_rows=None, loads_per_round: int = 0):
+        """Widen block `stage8` of the FP8 stages s8 into stage `stage16` of the fp16 buffers s16
+        (e4m3 -> fp16 is exact: every e4m3 value, subnormals included, is an fp16 number), by
+        n_threads threads (tidx in [0, n_threads)), 8 elements per copy (an 8-byte load, a 16-byte
+        store). Rows from `valid_rows` on (keys past the sequence's end, whose slots or unowned pages
+        may hold anything, NaN included) become zeros, as clear_v_rows does for 16-bit V: P is 0
+        there, and 0 * NaN would be NaN. The writes are then fenced into the async proxy (the
+        wgmma's); the caller syncs or arrives. loads_per_round > 0 splits a thread's copies into rounds
+        of that many loads, then their stores (fewer registers: the producer's budget); 0: one round."""
         cfg = self.cfg
         f16 = cutlass.Float16
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f16, num_bits_per_copy=128)
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s8.element_type, num_bits_per_copy=64)
-        tiled = cute.make_tiled_copy_tv(store, *row_thread_layout(f16, cfg.head_dim, 128))
-        thr = tiled.get_slice(tidx % 128)
-        t8 = thr.partition_S(s8[None, None, stage])
-        t16 = thr.partition_D(s16[None, None, 0])
+        tiled = cute.make_tiled_copy_tv(store, *row_thread_layout(f16, cfg.head_dim, n_threads))
+        thr = tiled.get_slice(tidx)
+        t8 = thr.partition_S(s8[None, None, stage8])
+        t16 = thr.partition_D(s16[None, None, stage16])
         tc = thr.partition_S(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim)))
         # Every load first, then the conversions and stores: loads and stores of shared memory may
         # alias as far as the compiler knows, so interleaved they ran one chunk at a time (load
         # latency each; the first version reached 1.66 TB/s of FP8 bytes at 1 x 128k).
         n_m, n_k = cute.size(t8, mode=[1]), cute.size(t8, mode=[2])
-        r8 = cute.make_rmem_tensor(cute.make_layout((8, n_m, n_k)), s8.element_type)
+        per = n_m if loads_per_round == 0 else max(loads_per_round // n_k, 1)
+        assert n_m % per == 0, (n_m, n_k, loads_per_round)
+        batches = n_m // per
+        r8 = cute.make_rmem_tensor(cute.make_layout((8, per, n_k)), s8.element_type)
         r16 = cute.make_rmem_tensor(cute.make_layout(8), f16)
-        for m in cutlass.range_constexpr(n_m):
-            for k in cutlass.range_constexpr(n_k):
-                cute.copy(load, t8[None, m, k], r8[None, m, k])
-        for m in cutlass.range_constexpr(n_m):
-            for k in cutlass.range_constexpr(n_k):
-                r16.store(r8[None, m, k].load().to(f16))
-                if const_expr(valid_rows is not None):
-                    if tc[0, m, k][0] >= valid_rows:
-                        r16.fill(0.0)
-                cute.copy(store, r16, t16[None, m, k])
+        for b in cutlass.range_constexpr(batches):
+            for m in cutlass.range_constexpr(per):
+                for k in cutlass.range_constexpr(n_k):
+                    cute.copy(load, t8[None, b * per + m, k], r8[None, m, k])
+            for m in cutlass.range_constexpr(per):
+                for k in cutlass.range_constexpr(n_k):
+                    r16.store(r8[None, m, k].load().to(f16))
+                    if const_expr(valid_rows is not None):
+                        if tc[0, b * per + m, k][0] >= valid_rows:
+                            r16.fill(0.0)
+                    cute.copy(store, r16, t16[None, b * per + m, k])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(wg), number_of_threads=128)
 
     @cute.jit
     def quantize_q(self, sQ, fp8, tidx, work, live_rows) -> Float32:
@@ -1030,7 +1123,9 @@ class FlashAttentionForwardSm90:
         (bf16 has 8) make this exact for every element within 2^-26 of the largest; smaller ones,
         which move no score, may round. Returns k_scale * 2^-e, the factor the tile's scores need
         (folded into the softmax scale or softcap's prescale, float32). Rows past live_rows (left as
-        they were by the gather) are rewritten too but never stored."""
+        they were by the gather) are rewritten too but never stored. An infinite q element counts as
+        q's largest finite value in e (its own row's result is NaN, as in the 16-bit kernels), so that
+        the tile's other rows keep their scale."""
         cfg = self.cfg
         dtype = sQ.element_type
         f16 = cutlass.Float16
@@ -1055,9 +1150,12 @@ class FlashAttentionForwardSm90:
             fp8.sAmax[warp] = amax
         cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
         amax = cute.arch.fmax(cute.arch.fmax(fp8.sAmax[0], fp8.sAmax[1]), cute.arch.fmax(fp8.sAmax[2], fp8.sAmax[3]))
-        # e = trunc(12 - log2(amax)), within [-100, 100] (an all-zero tile gets 100): the approximate
-        # log2 moves the largest value by less than a factor of 2 around 2^12.
-        e = cute.arch.fmin(cute.arch.fmax(12.0 - cute.math.log2(amax, fastmath=True), Float32(-100.0)), Float32(100.0))
+        amax = cute.arch.fmin(amax, Float32(_FINITE_MAX[dtype.width, dtype is cutlass.BFloat16]))
+        # e = trunc(12 - log2(amax)), within [-Q_E_BOUND, Q_E_BOUND] (an all-zero tile gets the bound;
+        # bf16's largest, ~2^128, needs -116): the approximate log2 moves the largest value by less
+        # than a factor of 2 around 2^12.
+        e = cute.arch.fmin(cute.arch.fmax(12.0 - cute.math.log2(amax, fastmath=True), Float32(-Q_E_BOUND)),
+                           Float32(Q_E_BOUND))
         e = Int32(e)
         factor = pow2(e)
         for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):

@@ -21,7 +21,7 @@ def make_kernel(variant: KVCacheVariant):
         from fa4_jax.kernels.seams import FwdSeams
 
         kernel = FlashAttentionForwardSm90(kvcache_config(variant.head_dim, variant.tile_m, variant.paged,
-                                                          variant.kv_fp8), variant.mask,
+                                                          variant.kv_fp8, variant.page_rows), variant.mask,
                                            variant.softcap, FwdSeams.kvcache(variant.paged),
                                            page_rows=variant.page_rows)
         return kernel.call_kvcache

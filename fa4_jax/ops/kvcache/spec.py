@@ -149,7 +149,8 @@ def ctas_per_sm(variant: KVCacheVariant) -> int:
         return 1
     from fa4_jax.kernels.config import kvcache_config
 
-    return kvcache_config(variant.head_dim, variant.tile_m, variant.paged, variant.kv_fp8).ctas_per_sm
+    return kvcache_config(variant.head_dim, variant.tile_m, variant.paged, variant.kv_fp8,
+                          variant.page_rows).ctas_per_sm
 
 
 def default_menu() -> tuple[KVCacheVariant, ...]:
