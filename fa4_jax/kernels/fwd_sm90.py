@@ -84,10 +84,9 @@ from fa4_jax.kernels.utils import wgmma
 WIDEN_WARPS = (1, 2)
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
-# quantize_q: the bound of its power of two (2^e and 2^-e stay normal floats), and q's largest finite
-# magnitude by (bits, bf16): bf16 and fp16.
+# quantize_q: the bound of its power of two (2^e and 2^-e stay normal floats; bf16's largest, ~2^128,
+# needs -116).
 Q_E_BOUND = 125
-_FINITE_MAX = {(16, True): 3.3895313892515355e38, (16, False): 65504.0}
 
 _LOG2E = 1.4426950408889634
 
@@ -1123,9 +1122,9 @@ class FlashAttentionForwardSm90:
         (bf16 has 8) make this exact for every element within 2^-26 of the largest; smaller ones,
         which move no score, may round. Returns k_scale * 2^-e, the factor the tile's scores need
         (folded into the softmax scale or softcap's prescale, float32). Rows past live_rows (left as
-        they were by the gather) are rewritten too but never stored. An infinite q element counts as
-        q's largest finite value in e (its own row's result is NaN, as in the 16-bit kernels), so that
-        the tile's other rows keep their scale."""
+        they were by the gather) are rewritten too but never stored. e comes from the finite elements
+        only: an infinite one spoils its own row (NaN, as in the 16-bit kernels), not the tile's
+        other rows' scale (with it, e was the bound and their q flushed to zero)."""
         cfg = self.cfg
         dtype = sQ.element_type
         f16 = cutlass.Float16
@@ -1143,14 +1142,14 @@ class FlashAttentionForwardSm90:
             if tc[0, m, 0][0] < live_rows:
                 for k in cutlass.range_constexpr(cute.size(tQ, mode=[2])):
                     cute.copy(atom, tQ[None, m, k], r)
-                    amax = row_max(abs(r.load().to(Float32)), amax)
+                    a = abs(r.load().to(Float32))
+                    amax = row_max(cute.where(a < Float32.inf, a, Float32(0.0)), amax)  # finite ones only
         amax = cute.arch.warp_reduction_max(amax)
         warp = (tidx % 128) // 32
         if cute.arch.lane_idx() == 0:
             fp8.sAmax[warp] = amax
         cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
         amax = cute.arch.fmax(cute.arch.fmax(fp8.sAmax[0], fp8.sAmax[1]), cute.arch.fmax(fp8.sAmax[2], fp8.sAmax[3]))
-        amax = cute.arch.fmin(amax, Float32(_FINITE_MAX[dtype.width, dtype is cutlass.BFloat16]))
         # e = trunc(12 - log2(amax)), within [-Q_E_BOUND, Q_E_BOUND] (an all-zero tile gets the bound;
         # bf16's largest, ~2^128, needs -116): the approximate log2 moves the largest value by less
         # than a factor of 2 around 2^12.
