@@ -98,6 +98,8 @@ class FlashAttentionForwardSm90:
                  page_rows: int = PAGE_ROWS):
         # FP8 K/V (cfg.kv_fp8, KV-cache decode tiles): see dequant() and quantize_q().
         self.kv_fp8 = cfg.kv_fp8
+        # ... whose V the consumer widens itself (else the producer's WIDEN_WARPS do: widen_v).
+        self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -269,7 +271,7 @@ class FlashAttentionForwardSm90:
         # FP8 K/V: the gemms run in fp16 on Q scaled into fp16's range and the widened K/V.
         tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(self.mma_dtype(dtype), cfg.num_consumer_wg)
         sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
-        sKV16_layout = None
+        sKV16_layout = sV16_layout = None
         if const_expr(self.kv_fp8):
             sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=1)[1]
             sV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages)[1] if cfg.producer_widens_v \
@@ -300,7 +302,7 @@ class FlashAttentionForwardSm90:
             )
             sO_size = cute.cosize(sQ_layout) if cfg.separate_o else 0
         self.shared_storage = self.make_shared_storage(dtype, sQ_layout, sKV_layout, sO_size, kv_dtype, sKV16_layout,
-                                                       sV16_layout if const_expr(self.kv_fp8) else None)
+                                                       sV16_layout)
         # The launch takes the struct's size: past cfg.smem_limit, fewer CTAs than cfg.ctas_per_sm
         # would be resident (silently: the three 2-CTA decode configs of 2026-12-02 ran one per SM).
         if self.shared_storage.size_in_bytes() > cfg.smem_limit:
@@ -312,7 +314,7 @@ class FlashAttentionForwardSm90:
             mTileList, mSemaphores, mKScale, mVScale,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
-            sKV16_layout, sV16_layout if const_expr(self.kv_fp8) else None, tiled_mma_qk, tiled_mma_pv,
+            sKV16_layout, sV16_layout, tiled_mma_qk, tiled_mma_pv,
         ).launch(grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, **self.residency_kwargs())
 
     def residency_kwargs(self) -> dict:
@@ -980,7 +982,7 @@ class FlashAttentionForwardSm90:
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, state)
-        if const_expr(fp8 is not None and not cfg.producer_widens_v):
+        if const_expr(self.consumer_widens_v):
             self.dequant(fp8.sV8, state.index, fp8.sV16, tidx, wg,
                          blocks.seqlen.seqlen_k - n_block_min * cfg.tile_n)
             pipe_v.consumer_release(state)
@@ -1002,7 +1004,6 @@ class FlashAttentionForwardSm90:
         producer widens V (then pipe_v is its fp16 ring), while S_j runs (its buffer's last reader, the
         PV gemm of block j+2, is done), each FP8 stage released as soon as it is widened."""
         cfg = self.cfg
-        widen_v_here = fp8 is not None and not cfg.producer_widens_v
         v_state = state.clone()
         state.advance()
         self._kv_wait(pipe_k, state)
@@ -1011,7 +1012,7 @@ class FlashAttentionForwardSm90:
             self.dequant(fp8.sK8, state.index, fp8.sK16, tidx, wg)
             pipe_k.consumer_release(state)
             k_stage = 0
-        if const_expr(widen_v_here):
+        if const_expr(self.consumer_widens_v):
             v_stage = 0
         self._pingpong_wait(wg)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
@@ -1019,7 +1020,7 @@ class FlashAttentionForwardSm90:
         if const_expr(cfg.rescale_o_before_gemm):
             OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, v_state)
-        if const_expr(widen_v_here):
+        if const_expr(self.consumer_widens_v):
             self.dequant(fp8.sV8, v_state.index, fp8.sV16, tidx, wg, seqlen_k - (n_block + 1) * cfg.tile_n)
             pipe_v.consumer_release(v_state)
         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], wait=-1)
@@ -1033,7 +1034,7 @@ class FlashAttentionForwardSm90:
             mask.apply(acc_S, m_block, n_block, seqlen=False, window=True)
         scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)
         warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
-        if const_expr(not widen_v_here):
+        if const_expr(not self.consumer_widens_v):
             pipe_v.consumer_release(v_state)
         store_16bit(tOrP, acc_as_frag_a(acc_S))
         if const_expr(cfg.rescale_o_before_gemm):
