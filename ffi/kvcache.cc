@@ -127,10 +127,13 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   }
   // The lowering picks the tile from the longest sequence's packed rows (spec.tile_m_for): 64 rows
   // (one consumer warpgroup) for decode; 128 for chunks, as efficient per key block as the dense kernel.
+  // FP8 caches: 16 rows (the warp-mma decode tile) or 64 (api._tile_m).
   const int tile_m = c.tile_m;
-  if (tile_m != kTileM && tile_m != kTileMWide)
-    return Invalid("tile_m must be " + std::to_string(kTileM) + " or " + std::to_string(kTileMWide) + "; got " +
-                   std::to_string(tile_m));
+  if (kv_fp8 ? (tile_m != kTileMFp8Decode && tile_m != kTileM) : (tile_m != kTileM && tile_m != kTileMWide))
+    return Invalid("tile_m must be " +
+                   (kv_fp8 ? std::to_string(kTileMFp8Decode) + " or " + std::to_string(kTileM)
+                           : std::to_string(kTileM) + " or " + std::to_string(kTileMWide)) +
+                   "; got " + std::to_string(tile_m));
   const int64_t rows = max_seqlen_q * (h_q / h_k);
   const int64_t m_blocks = (rows + tile_m - 1) / tile_m;
   // Without a list: every m_block of every sequence (ragged: and of the pseudo-sequence).

@@ -277,7 +277,7 @@ def _caches(dtype=FP8, shape=(2, 16, H_K, D)):
     (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, 96), jnp.bfloat16), *_caches(shape=(2, 16, H_K, 96)),
                                     jnp.array([1, 2], jnp.int32), implementation="fa4"),
      # (no FP8 kernel at head_dim 96: the library names the variant it lacks, or says it is not built)
-     RuntimeError, r'implementation="fa4" cannot run here: .*(fa4_kvcache_sm\d+_bf16_hd96_local_kvfp8|library is unavailable)'),
+     RuntimeError, r'implementation="fa4" cannot run here: .*(fa4_kvcache_sm\d+_bf16_hd96_local(_m16)?_kvfp8|library is unavailable)'),
     (lambda: attention_with_kvcache(jnp.zeros((2, 1, H_Q, D), jnp.bfloat16), *_caches(), jnp.array([1, 2], jnp.int32),
                                     implementation="cudnn"),
      ValueError, r'implementation="cudnn" cannot read float8_e4m3fn KV caches'),
@@ -317,17 +317,19 @@ def test_export_round_trip():
     assert_same_fp8(k2, k)
 
 
-@pytest.mark.parametrize("s_q", [1, 16, 17, 512])
+@pytest.mark.parametrize("s_q", [1, 8, 9, 16, 17, 512])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_fp8_calls_take_the_decode_tile_at_every_length(s_q, ragged):
-    """FP8 caches have the 64-row tile only (spec.FP8_TILE_MS): a prefill chunk runs as several of those
-    tiles per sequence instead of the reference, so the lowering picks a variant the menu has."""
+def test_fp8_calls_take_an_fp8_tile_at_every_length(s_q, ragged):
+    """FP8 caches have two tiles (spec.FP8_TILE_MS): the 16-row decode tile while a sequence has at most
+    16 packed rows, else the 64-row tile (a prefill chunk runs as several of those per sequence instead
+    of the reference); the lowering picks a variant the menu has."""
     from fa4_jax.families import default_menu
     from fa4_jax.ops.kvcache import api
     from fa4_jax.ops.kvcache.primitive import kernel_variant
 
     tile_m = api._tile_m(s_q, H_Q, H_K, True)
-    assert tile_m == 64 and api._tile_m(s_q, H_Q, H_K) == (64 if s_q * H_Q // H_K <= 64 else 128)
+    assert tile_m == (16 if s_q * H_Q // H_K <= 16 else 64)
+    assert api._tile_m(s_q, H_Q, H_K) == (64 if s_q * H_Q // H_K <= 64 else 128)
     params = dict(softmax_scale=SCALE, window_left=-1, window_right=0, softcap=0.0, has_sinks=False, paged=ragged,
                   ragged=ragged, kv_fp8=True, max_seqlen_q=s_q if ragged else 0, tile_m=tile_m, page_rows=16,
                   num_splits=0)

@@ -52,9 +52,19 @@ class Sm90FwdConfig:
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
     # binary measured), shared memory for one.
     launch_bound_ctas: int = 0
+    # FP8 K/V decode tile (decode_fp8_sm90.py): tile_m packed rows (fp8_decode_layout.TILE_M) on one
+    # consumer warpgroup of warp mmas with K and V as register operands: no fp16 buffers, a merge
+    # buffer for the warps' partial results instead.
+    fp8_decode: bool = False
 
     def __post_init__(self):
-        if self.tile_m % 64:
+        if self.fp8_decode:
+            from fa4_jax.kernels import fp8_decode_layout as lay
+
+            if not (self.kv_fp8 and self.tile_m == lay.TILE_M and self.tile_n == lay.TILE_N
+                    and self.head_dim in lay.HEAD_DIMS and not self.producer_widens_v):
+                raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
+        elif self.tile_m % 64:
             raise ValueError(f"tile_m must be a multiple of 64 (one wgmma M): {self.tile_m=}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256]: {self.tile_n=}")
@@ -81,7 +91,7 @@ class Sm90FwdConfig:
 
     @property
     def num_consumer_wg(self) -> int:
-        return self.tile_m // 64
+        return 1 if self.fp8_decode else self.tile_m // 64
 
     @property
     def num_threads(self) -> int:
@@ -90,6 +100,12 @@ class Sm90FwdConfig:
     @property
     def _base_smem_bytes(self) -> int:
         elem = 2  # bf16 / fp16
+        if self.fp8_decode:
+            from fa4_jax.kernels import fp8_decode_layout as lay
+
+            # Q lives in registers; the merge buffer instead of the widened buffers.
+            return (lay.stage_smem_bytes(self.head_dim, self.stages) + lay.merge_smem_bytes(self.head_dim)
+                    + SMEM_STRUCT_OVERHEAD)
         q = self.tile_m * self.head_dim * elem
         kv = 2 * self.stages * self.tile_n * self.head_dim * (1 if self.kv_fp8 else elem)
         # The fp16 K buffer and V's (a ring of `stages` when the producer widens V).
@@ -144,7 +160,12 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
     240 x 256, so a paged producer (page lookups, shuffles, row addresses: it spilled at 24) keeps
     64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup.
     Decode at hd128 runs two CTAs per SM (ctas_per_sm; see below), except the paged 16-bit tile;
-    FP8 decode at hd64 and hd128 does too."""
+    FP8 decode at hd64 and hd128 does too; its few-row tile (tile_m fp8_decode_layout.TILE_M) is
+    fp8_decode_config's."""
+    from fa4_jax.kernels import fp8_decode_layout as lay
+
+    if kv_fp8 and tile_m == lay.TILE_M:
+        return fp8_decode_config(head_dim, paged)
     tile_n = 128 if head_dim <= 128 else 64
     producer_regs, consumer_regs = 24, 240
     if paged and tile_m == 128:
@@ -206,6 +227,29 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
 
     stages = 2
     while stages < max_stages:
+        try:
+            config(stages + 1)
+        except ValueError:  # out of shared memory
+            break
+        stages += 1
+    return config(stages)
+
+
+def fp8_decode_config(head_dim: int, paged: bool) -> Sm90FwdConfig:
+    """The FP8 decode tile (decode_fp8_sm90.py): 16 packed rows, 64-key stages, two CTAs per SM (128
+    launch registers: 232 consumer / 24 producer, or 216 / 40 paged, as the 64-row decode tiles) and
+    as many stages as the other half of the shared memory holds beside the merge buffer: FP8 bytes
+    in flight are what draws HBM bandwidth, and nothing else needs the space."""
+    from fa4_jax.kernels import fp8_decode_layout as lay
+
+    producer_regs, consumer_regs = (40, 216) if paged else (24, 232)
+
+    def config(stages: int) -> Sm90FwdConfig:
+        return Sm90FwdConfig(head_dim, lay.TILE_M, lay.TILE_N, stages, consumer_regs, producer_regs, False, False,
+                             o_staging=False, ctas_per_sm=2, kv_fp8=True, fp8_decode=True)
+
+    stages = 2
+    while stages < 8:
         try:
             config(stages + 1)
         except ValueError:  # out of shared memory

@@ -66,6 +66,8 @@ from fa4_jax.kernels import epilogue_sm90 as epi
 from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.config import Sm90FwdConfig
+from fa4_jax.kernels.decode_fp8_sm90 import Fp8DecodeTile
+from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
@@ -98,8 +100,10 @@ class FlashAttentionForwardSm90:
                  page_rows: int = PAGE_ROWS):
         # FP8 K/V (cfg.kv_fp8, KV-cache decode tiles): see dequant() and quantize_q().
         self.kv_fp8 = cfg.kv_fp8
-        # ... whose V the consumer widens itself (else the producer's WIDEN_WARPS do: widen_v).
-        self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v
+        # ... whose V the consumer widens itself (else the producer's WIDEN_WARPS do: widen_v), unless
+        # the tile is the few-row FP8 decode tile, which widens nothing in shared memory.
+        self.fp8_decode = cfg.fp8_decode
+        self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -121,6 +125,8 @@ class FlashAttentionForwardSm90:
         if cfg.producer_widens_v and (not self.kv_fp8 or self.kv_gather or cfg.num_consumer_wg != 1):
             # One-row pages take the whole producer warpgroup to gather rows: no warps left to widen V.
             raise ValueError("producer_widens_v: FP8 K/V loaded by TMA into a one-warpgroup tile only")
+        # The FP8 decode tile's consumer (decode_fp8_sm90.py; None: the wgmma consumer of this file).
+        self.fp8_tile = Fp8DecodeTile(cfg, softcap, self.kv_gather) if cfg.fp8_decode else None
         if page_rows not in PAGE_ROWS_CHOICES:
             raise ValueError(f"page_rows must be one of {PAGE_ROWS_CHOICES}; got {page_rows}")
         if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
@@ -268,11 +274,17 @@ class FlashAttentionForwardSm90:
         cfg, seams = self.cfg, self.seams
         dtype = mQ.element_type
         kv_dtype = mK.element_type  # (mK becomes a TMA coordinate tensor below)
-        # FP8 K/V: the gemms run in fp16 on Q scaled into fp16's range and the widened K/V.
-        tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(self.mma_dtype(dtype), cfg.num_consumer_wg)
+        # FP8 K/V: the gemms run in fp16 on Q scaled into fp16's range and the widened K/V. (The FP8
+        # decode tile's warp mmas need no tiled MMA objects.)
+        tiled_mma_qk = tiled_mma_pv = None
+        if const_expr(not self.fp8_decode):
+            tiled_mma_qk, tiled_mma_pv = self.make_tiled_mmas(self.mma_dtype(dtype), cfg.num_consumer_wg)
         sQ_layout, sKV_layout = self.make_smem_layouts(dtype)
         sKV16_layout = sV16_layout = None
-        if const_expr(self.kv_fp8):
+        if const_expr(self.fp8_decode):
+            sKV_layout = self.make_smem_layouts(kv_dtype)[1]
+            Fp8DecodeTile.check_stage_layout(sKV_layout, cfg.head_dim)
+        elif const_expr(self.kv_fp8):
             sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=1)[1]
             sV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages)[1] if cfg.producer_widens_v \
                 else sKV16_layout
@@ -348,9 +360,12 @@ class FlashAttentionForwardSm90:
         fields.update(mbar_k=mbar, mbar_v=mbar)
         if cfg.producer_widens_v:
             fields["mbar_v16"] = mbar  # the fp16 V ring (make_pipelines)
-        fields.update(sQ=smem(cute.cosize(sQ_layout)), sK=smem(cute.cosize(sKV_layout), kv_dtype),
-                      sV=smem(cute.cosize(sKV_layout), kv_dtype))
-        if self.kv_fp8:
+        if not self.fp8_decode:  # (the FP8 decode tile keeps Q in registers)
+            fields["sQ"] = smem(cute.cosize(sQ_layout))
+        fields.update(sK=smem(cute.cosize(sKV_layout), kv_dtype), sV=smem(cute.cosize(sKV_layout), kv_dtype))
+        if self.fp8_decode:
+            fields["merge"] = smem(merge_smem_bytes(cfg.head_dim) // 4, Float32)  # the warps' partial results
+        elif self.kv_fp8:
             fields.update(sK16=smem(cute.cosize(sKV16_layout), cutlass.Float16),
                           sV16=smem(cute.cosize(sV16_layout), cutlass.Float16),
                           q_amax=cute.struct.MemRange[Float32, 4])
@@ -559,7 +574,9 @@ class FlashAttentionForwardSm90:
         self.stamps.start(storage)
         pipe_q, pipe_k, pipe_v, pipe_v16 = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sQ = None
+        if const_expr(not self.fp8_decode):
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         kv_dtype = cutlass.Float8E4M3FN if const_expr(self.kv_fp8) else None  # (mK is TMA coordinates here)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner, dtype=kv_dtype)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner, dtype=kv_dtype)
@@ -570,7 +587,7 @@ class FlashAttentionForwardSm90:
         if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
             sMergeFlag = storage.merge_flag.get_tensor(cute.make_layout(1))
         fp8 = None
-        if const_expr(self.kv_fp8):
+        if const_expr(self.kv_fp8 and not self.fp8_decode):
             fp8 = _Fp8Tile(sK, sV, storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner),
                            storage.sV16.get_tensor(sV16_layout.outer, swizzle=sV16_layout.inner),
                            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner, dtype=cutlass.Float16),
@@ -596,11 +613,17 @@ class FlashAttentionForwardSm90:
                     self.widen_v(pipe_v, pipe_v16, fp8, scheduler, problem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            # With the producer widening V, the consumers' V pipeline is the fp16 ring: they read V as
-            # the 16-bit kernels do (fp8.sV16 holds its stages).
-            self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
-                         tiled_mma_pv, pipe_q, pipe_k, pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
-                         softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
+            if const_expr(self.fp8_decode):
+                self.fp8_tile.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, mKScale, mVScale,
+                                      storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
+                                      storage.merge.data_ptr().toint(), pipe_k, pipe_v, softmax_scale_log2,
+                                      softcap_prescale, scheduler, problem, sMergeFlag)
+            else:
+                # With the producer widening V, the consumers' V pipeline is the fp16 ring: they read V
+                # as the 16-bit kernels do (fp8.sV16 holds its stages).
+                self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+                             tiled_mma_pv, pipe_q, pipe_k, pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
+                             softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,

@@ -47,6 +47,9 @@ def kernel_mask(window_left: int, window_right: int) -> str:
 # prefill at the dense kernel's efficiency). ffi/kvcache.cc picks the tile from max_seqlen_q.
 TILE_MS = (64, 128)
 TILE_M = TILE_MS[0]
+# FP8 caches' decode tile (kernels/decode_fp8_sm90.py): 16 packed rows on warp mmas with K and V as
+# register operands, for sequences of at most 16 packed rows; longer ones take the 64-row tile.
+FP8_DECODE_TILE_M = 16
 # Keys per split granule: the Python lowering sizes the split workspace and ffi/kvcache.cc picks
 # num_splits in these units.
 SPLIT_BLOCK_KEYS = 128
@@ -99,7 +102,8 @@ class KVCacheVariant(AttentionVariant):
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"mask": (MASK,), "tile_m": TILE_MS, "page_rows": PAGE_ROWS_CHOICES}, ("paged", "kv_fp8"))
+        self.check_fields({"mask": (MASK,), "tile_m": FP8_TILE_MS if self.kv_fp8 else TILE_MS,
+                           "page_rows": PAGE_ROWS_CHOICES}, ("paged", "kv_fp8"))
         if not self.paged and self.page_rows != PAGE_ROWS:
             raise ValueError(f"page_rows applies to paged caches only: {self.page_rows=} with paged=False")
 
@@ -119,7 +123,7 @@ class KVCacheVariant(AttentionVariant):
 
     @classmethod
     def _from_parts(cls, parts):
-        tiles = [f"m{m}" for m in TILE_MS if m != TILE_M]
+        tiles = [f"m{m}" for m in sorted(set(TILE_MS + FP8_TILE_MS)) if m != TILE_M]
         rows = [f"rows{r}" for r in PAGE_ROWS_CHOICES if r != PAGE_ROWS]
         if len(parts) < 4 or any(p not in ("softcap", "paged", *tiles, *rows, "kvfp8") for p in parts[4:]):
             raise ValueError(f"expected arch_dtype_hdN_mask[_softcap][_paged][_m128][_rows1][_kvfp8], "
@@ -134,11 +138,12 @@ class KVCacheVariant(AttentionVariant):
 # Rows per paged piece each architecture's kernel has: 16-row TMA pieces, and the one-row gather for
 # page sizes that are not multiples of PAGE_ROWS (SM90: the producer warpgroup; SM100: the load warp).
 PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": PAGE_ROWS_CHOICES}
-# FP8 caches (issue 17): Hopper decode tiles (tile_m 64, which also serve prefill chunks as several
-# tiles per sequence: api._tile_m), at the head dims of the common models, so that the default build
-# grows by 24 variants, not 120. Other calls on FP8 caches run the exact reference (api.py).
+# FP8 caches (issue 17): Hopper tiles of 16 rows (decode) and 64 (which also serve prefill chunks as
+# several tiles per sequence: api._tile_m), at the head dims of the common models, so that the
+# default build grows by 48 variants, not 240. Other calls on FP8 caches run the exact reference
+# (api.py).
 FP8_ARCHES = ("sm90",)
-FP8_TILE_MS = (TILE_M,)
+FP8_TILE_MS = (FP8_DECODE_TILE_M, TILE_M)
 FP8_HEAD_DIMS = (64, 128)
 
 
@@ -281,7 +286,7 @@ CALL = CallSignature(
         Attr("page_rows", "i32", "paged: rows per TMA piece, one of PAGE_ROWS_CHOICES dividing page_size "
                                  "(page_rows_for); ignored for a contiguous cache"),
     ),
-    constants=(("tile_m", TILE_M), ("tile_m_wide", TILE_MS[1]), ("split_block_keys", SPLIT_BLOCK_KEYS), ("page_rows", PAGE_ROWS),
+    constants=(("tile_m", TILE_M), ("tile_m_wide", TILE_MS[1]), ("tile_m_fp8_decode", FP8_DECODE_TILE_M), ("split_block_keys", SPLIT_BLOCK_KEYS), ("page_rows", PAGE_ROWS),
                ("max_splits", MAX_SPLITS)),
 )
 
