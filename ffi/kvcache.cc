@@ -149,10 +149,14 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
     return err;
 
   const int64_t blocks = std::max<int64_t>(1, (capacity + kSplitBlockKeys - 1) / kSplitBlockKeys);
+  // The 64-row FP8 tile is bound by its consumer's widening and fills both CTA slots of an SM; the
+  // 16-row FP8 decode tile draws the bandwidth like the 16-bit tiles, with one wave of one CTA per SM
+  // (H100 sweep, docs/PERF.md: 1 x 128k 16 splits 101 us vs 32 at 110; 8 x 32k 2 vs 4: 188 vs 202).
+  const bool widening_bound = kv_fp8 && tile_m != kTileMFp8Decode;
   const int64_t splits =
       c.num_splits != 0 ? c.num_splits
                         : ::fa4_jax::splits::AutoSplits(tiles, dev.num_sms, r.variant->ctas_per_sm, blocks, splits_cap,
-                                                        kMaxSplits, kv_fp8);
+                                                        kMaxSplits, widening_bound);
   if (!FitsInt32((tiles + m_blocks * h_k) * splits) || !FitsInt32(2 * n_listed))
     return Invalid("batch x heads_kv x query tiles x num_splits exceeds int32");
 

@@ -1,5 +1,7 @@
-"""The FP8 (float8_e4m3fn) KV-cache kernel on the GPU (`@pytest.mark.gpu`): decode tiles that read FP8
-K/V by TMA and widen them to fp16 in shared memory, V by two producer warps except with one-row pages
+"""The FP8 (float8_e4m3fn) KV-cache kernels on the GPU (`@pytest.mark.gpu`): the 16-row decode tile,
+which widens each thread's FP8 bytes in registers for warp mmas (fa4_jax/kernels/decode_fp8_sm90.py:
+calls of up to 16 packed rows per sequence), and the 64-row tile for longer ones (prefill chunks),
+which widens K and V to fp16 in shared memory, V by two producer warps except with one-row pages
 (fa4_jax/kernels/fwd_sm90.py: dequant, widen_v, quantize_q).
 
 Every case: implementation="fa4" (a missing kernel fails, tests/gpu_menu.py says when one may skip),
@@ -22,7 +24,7 @@ import pytest
 import fa4_jax
 from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import KVCacheVariant
-from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for
+from fa4_jax.ops.kvcache.spec import FP8_TILE_MS, MASK, PAGE_ROWS, page_rows_for
 from gpu_menu import device_arch, require_variant
 from oracle import OPTION_CASES, attention_oracle, gather, make_sinks
 
@@ -38,9 +40,11 @@ def built(kernel_variants):
 
 
 def _require(built, dtype, hd, softcap, page_size):
+    """Both FP8 tiles (a call takes the one its rows need: api._tile_m)."""
     paged = page_size is not None
-    require_variant(built, KVCacheVariant(device_arch(), dtype, hd, MASK, softcap, paged, 64,
-                                          page_rows_for(page_size) if paged else PAGE_ROWS, kv_fp8=True))
+    for tile_m in FP8_TILE_MS:
+        require_variant(built, KVCacheVariant(device_arch(), dtype, hd, MASK, softcap, paged, tile_m,
+                                              page_rows_for(page_size) if paged else PAGE_ROWS, kv_fp8=True))
 
 
 def _oracle(q, k32, v32, lens, opts, sinks):
@@ -188,7 +192,7 @@ def test_fp8_saturated_and_subnormal_cache(built):
 @pytest.mark.parametrize("page_size", [None, 16, 1], ids=["contiguous", "page16", "page1"])
 def test_fp8_prefill_chunks(built, s_q, page_size):
     """A prefill chunk on an FP8 cache (s_q x 4 q-heads per KV head = 148 / 512 packed rows): several
-    64-row tiles per sequence (FP8 caches have that tile only), bottom-right causal; the first
+    64-row tiles per sequence (more than the 16-row decode tile holds), bottom-right causal; the first
     sequence is shorter than its chunk (its first rows see no key)."""
     run_fp8_case(built, s_q=s_q, lens=[20, 300, 1999], capacity=1999, page_size=page_size,
                  opts=dict(causal=True), seed=s_q + (page_size or 0))
@@ -223,13 +227,19 @@ def test_fp8_prefill_chunk_options(built, case):
     run_fp8_case(built, s_q=100, lens=[100, 555, 1000], capacity=1000, opts=OPTION_CASES[case], seed=len(case) + 40)
 
 
+RAGGED_STEPS = {"chunks_and_decodes": [40, 0, 1, 130, 1], "decodes": [1, 0, 1, 1, 1], "drafts": [3, 1, 0, 4, 2]}
+
+
+@pytest.mark.parametrize("step", list(RAGGED_STEPS))
 @pytest.mark.parametrize("page_size", [None, 16, 5], ids=["contiguous", "page16", "page5"])
-def test_fp8_ragged_chunks_and_decodes(built, page_size):
+def test_fp8_ragged_chunks_and_decodes(built, page_size, step):
     """One ragged call (cu_seqlens_q) mixing prefill chunks, an empty sequence and one-token decodes
-    on an FP8 cache, as a serving step does; slots past each length and unowned pages NaN."""
+    on an FP8 cache, as a serving step does (the 64-row tile), or decodes and draft tokens only (the
+    16-row tile: 4 q-heads per KV head x up to 4 queries, with the padding rows' pseudo-batch); slots
+    past each length and unowned pages NaN."""
     _require(built, "bf16", 128, False, page_size)
     h_q, h_k, d, cap = 8, 2, 128, 700
-    q_lens = np.array([40, 0, 1, 130, 1], np.int32)
+    q_lens = np.array(RAGGED_STEPS[step], np.int32)
     lens = np.array([300, 5, 699, 130, 1], np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     b, total = len(lens), int(cu[-1])
@@ -255,9 +265,9 @@ def test_fp8_ragged_chunks_and_decodes(built, page_size):
 
     @jax.jit
     def both(q, kc, vc, n, cu, t, kscale, vscale):
-        return tuple(fa4_jax.attention_with_kvcache(q, kc, vc, n, cu_seqlens_q=cu, page_table=t, causal=True,
-                                                    k_scale=kscale, v_scale=vscale, return_lse=True,
-                                                    implementation=impl) for impl in ("fa4", "xla"))
+        return tuple(fa4_jax.attention_with_kvcache(q, kc, vc, n, cu_seqlens_q=cu, max_seqlen_q=int(q_lens.max()),
+                                                    page_table=t, causal=True, k_scale=kscale, v_scale=vscale,
+                                                    return_lse=True, implementation=impl) for impl in ("fa4", "xla"))
 
     poison_allocator((q.shape, q.dtype), ((h_q, total), jnp.float32))
     ours, xla = both(q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(lens), jnp.asarray(cu),

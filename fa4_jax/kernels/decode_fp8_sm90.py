@@ -125,9 +125,11 @@ class Fp8DecodeTile:
             tile_idx = scheduler.first()
             while tile_idx < num_tiles:
                 work = scheduler.tile(tile_idx)
+                # Eight splits' partials at a time: sixteen (merge_chunk) spilled beside this tile's
+                # per-CTA registers.
                 split_epilogue.merge_splits_if_last(lay.TILE_M, self.hd, 128, int(NamedBarrierFwd.EPILOGUE), mO,
                                                     mLSE, mOaccum, mLSEaccum, mSinks, sMergeFlag, tidx, work,
-                                                    problem.seqlen(work.batch), problem)
+                                                    problem.seqlen(work.batch), problem, chunk=8)
                 tile_idx = scheduler.next(tile_idx)
 
     # ------------------------------------------------------------------------------------------
