@@ -8,6 +8,7 @@ prints the best forced count, auto's time over it (issue 20: within 3%) and over
     python3 tools/split_sweep.py [--rounds 2] [--head-dims 64,128] [--shapes 1x2k,8x2k~,...]
     python3 tools/split_sweep.py --cold-mb 200      # K/V from HBM: cache sets of 200 MB cycled
     python3 tools/split_sweep.py --json out.json
+    python3 tools/split_sweep.py --fp8 --splits 16,24,32,48,64   # FP8 caches (cuDNN on the bf16 ones)
 
 A shape is batch x keys (k = 1024), each row's cache full; a trailing `~` draws each row's length
 from [0.7, 1.0] x keys in a cache of 2 x keys (examples/generate.py's decode: rows of different
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cold-mb", type=float, default=0, metavar="MB",
                     help="cycle as many cache sets through the loop as make MB together (> the 50 MB L2: each "
                          "call's K/V from HBM); 0 = one set, L2-warm")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 (e4m3) caches with per-KV-head scales (the cuDNN column reads the bf16 caches)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tp = dict(batches=3, target_batch_s=0.02)
@@ -85,10 +88,22 @@ def main(argv=None) -> int:
             sets = min(LOOP, max(1, -(-int(args.cold_mb * 1e6) // (2 * b * cap * H_K * d * 2))))
             ks = tuple(bf(b, cap, H_K, d) for _ in range(sets))
             vs = tuple(bf(b, cap, H_K, d) for _ in range(sets))
+            kw = {}
+            ks16, vs16 = ks, vs
+            if args.fp8:
+                from fa4_jax.ops.kvcache.quant import dequantize, quantize
+
+                kw = dict(k_scale=jnp.full((H_K,), 0.005, jnp.float32), v_scale=jnp.full((H_K,), 0.006, jnp.float32))
+                ks = tuple(quantize(x, kw["k_scale"]) for x in ks)
+                vs = tuple(quantize(x, kw["v_scale"]) for x in vs)
             k, v = ks[0], vs[0]
             step = lambda n: (lambda q, k, v, l: fa4_jax.attention_with_kvcache(  # noqa: E731
-                q, k, v, l, num_splits=n, implementation="fa4"))
-            ref = masked_oracle(q, k, v, lens)
+                q, k, v, l, num_splits=n, implementation="fa4", **kw))
+            if args.fp8:
+                ref = masked_oracle(q, dequantize(k, kw["k_scale"]),
+                                    dequantize(v, kw["v_scale"]), lens)
+            else:
+                ref = masked_oracle(q, k, v, lens)
             err = float(jnp.abs(jax.jit(step(None))(q, k, v, lens).astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
             if err > REL_ERR_LIMIT:
                 raise SystemExit(f"d{d} {shape}: WRONG (rel err {err:.3g})")
@@ -100,7 +115,8 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for name, f in progs.items():
                     try:
-                        times[name].append(time_per_call(f, [(q, ks, vs, lens)], **tp) / LOOP * 1e6)
+                        caches = (ks16, vs16) if name == "cuDNN" else (ks, vs)
+                        times[name].append(time_per_call(f, [(q, *caches, lens)], **tp) / LOOP * 1e6)
                     except Exception as e:  # noqa: BLE001 - cuDNN may refuse a shape: report, go on
                         times[name].append(float("nan"))
                         print(f"  {shape} {name}: {type(e).__name__}: {str(e)[:120]}")
