@@ -40,7 +40,8 @@ int main() {
 
 @pytest.fixture(scope="module")
 def auto_splits(tmp_path_factory):
-    """auto_splits([(batch, keys, ctas_per_sm, kv_fp8), ...]) -> the handler's counts on an H200."""
+    """auto_splits([(batch, keys, ctas_per_sm, widening_bound), ...]) -> the handler's counts on an H200
+    (widening_bound: the 64-row FP8 tile, ffi/kvcache.cc)."""
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.fail("no C++ compiler on PATH (the library's build needs one too)", pytrace=False)
@@ -64,9 +65,10 @@ def auto_splits(tmp_path_factory):
 
 
 # (batch, keys) -> splits. The 16-bit hd128 decode tile has two CTAs per SM but draws the bandwidth
-# with one per SM: its count ignores the second slot.
+# with one per SM: its count ignores the second slot. So does the 16-row FP8 decode tile (the handler
+# passes widening_bound = false for it: H100 sweep, docs/PERF.md 2026-12-05 sixth session).
 SIXTEEN_BIT = {(1, 8192): 16, (1, 32768): 16, (1, 131072): 16, (8, 32768): 2, (32, 8192): 1, (64, 4096): 1}
-# FP8 (two CTAs per SM): 1 x 8k keeps 16 (32 splits of 256 keys measured slower), 1 x 32k takes 32
+# The 64-row FP8 tile (two CTAs per SM, bound by its widening): 1 x 8k keeps 16 (32 splits of 256 keys measured slower), 1 x 32k takes 32
 # (31 leaves one split 17 blocks of 64 keys long), 1 x 128k 32, 8 x 32k 4.
 FP8 = {(1, 8192): 16, (1, 32768): 32, (1, 131072): 32, (8, 32768): 4, (32, 8192): 1, (64, 4096): 1}
 
@@ -77,7 +79,7 @@ def test_sixteen_bit_decode_fills_one_wave(auto_splits, ctas):
     assert dict(zip(rows, auto_splits([(b, k, ctas, False) for b, k in rows]))) == SIXTEEN_BIT
 
 
-def test_fp8_decode_fills_both_slots_in_even_splits(auto_splits):
+def test_widening_bound_fp8_tile_fills_both_slots_in_even_splits(auto_splits):
     rows = list(FP8)
     assert dict(zip(rows, auto_splits([(b, k, 2, True) for b, k in rows]))) == FP8
     # An FP8 tile of one CTA per SM counts as 16-bit decode does.
