@@ -225,6 +225,11 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
                              producer_widens_v=producer_widens)
 
+    return _most_stages(config, max_stages)
+
+
+def _most_stages(config, max_stages: int) -> Sm90FwdConfig:
+    """config(stages) with the most stages in [2, max_stages] that fit shared memory."""
     stages = 2
     while stages < max_stages:
         try:
@@ -248,11 +253,4 @@ def fp8_decode_config(head_dim: int, paged: bool) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, lay.TILE_M, lay.TILE_N, stages, consumer_regs, producer_regs, False, False,
                              o_staging=False, ctas_per_sm=2, kv_fp8=True, fp8_decode=True)
 
-    stages = 2
-    while stages < 8:
-        try:
-            config(stages + 1)
-        except ValueError:  # out of shared memory
-            break
-        stages += 1
-    return config(stages)
+    return _most_stages(config, 8)
