@@ -155,9 +155,33 @@ def test_fp8_dtypes_head_dims(built, dtype, hd, page_size):
                  opts=dict(causal=True), seed=hd)
 
 
-def test_fp8_speculative_rows(built):
-    """s_q 3 (three draft tokens): 12 packed rows per tile, bottom-right causal."""
-    run_fp8_case(built, s_q=3, lens=[3, 64, 2000], capacity=2000, opts=dict(causal=True), seed=7)
+@pytest.mark.parametrize("hd", [128, 64])
+def test_fp8_speculative_rows(built, hd):
+    """s_q 3 (three draft tokens): 12 packed rows per tile (both n8 halves of the 16-row tile),
+    bottom-right causal."""
+    run_fp8_case(built, s_q=3, lens=[3, 64, 2000], capacity=2000, opts=dict(causal=True), hd=hd, seed=7)
+
+
+def test_fp8_sixteen_q_heads_per_kv_head(built):
+    """16 q-heads per KV head: the 16-row tile full, with windows, softcap and sinks."""
+    run_fp8_case(built, h_q=16, h_k=1, lens=[1, 130, 999], capacity=999, opts=OPTION_CASES["everything"], seed=8)
+
+
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_fp8_decode_rescales(built, num_splits):
+    """softmax_scale 1: scores spread over tens of log2 units, so a warp's running max trails the
+    blocks' maxima by more than the rescaling threshold (8) after O and the sum are nonzero."""
+    run_fp8_case(built, lens=[77, 1000, 4099], capacity=4099, num_splits=num_splits, opts=dict(softmax_scale=1.0),
+                 seed=9)
+
+
+@pytest.mark.parametrize("s_q", [1, 37], ids=["decode_tile", "chunk_tile"])
+def test_fp8_zero_q_tiny_softmax_scale(built, s_q):
+    """An all-zero q (a zero-padded slot) with a tiny softmax scale: every score is 0, so each row is
+    the mean of its V rows. q's power of two must not push the scores' factor to 0 (0 times a
+    masked score, -inf, is NaN; fp8_q_exponent caps it)."""
+    run_fp8_case(built, s_q=s_q, lens=[17, 300, 300], capacity=300, q_scale=0.0, opts=dict(softmax_scale=1e-6),
+                 seed=12)
 
 
 @pytest.mark.parametrize("q_scale", [3e4, 1e-5, 1e33], ids=["q_large", "q_tiny", "q_huge"])
@@ -228,6 +252,8 @@ def test_fp8_prefill_chunk_options(built, case):
 
 
 RAGGED_STEPS = {"chunks_and_decodes": [40, 0, 1, 130, 1], "decodes": [1, 0, 1, 1, 1], "drafts": [3, 1, 0, 4, 2]}
+# Rows of q past cu_seqlens_q[-1] that no sequence owns (o = 0, lse = -inf).
+RAGGED_PADDING = {"chunks_and_decodes": 0, "decodes": 3, "drafts": 5}
 
 
 @pytest.mark.parametrize("step", list(RAGGED_STEPS))
@@ -242,7 +268,7 @@ def test_fp8_ragged_chunks_and_decodes(built, page_size, step):
     q_lens = np.array(RAGGED_STEPS[step], np.int32)
     lens = np.array([300, 5, 699, 130, 1], np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    b, total = len(lens), int(cu[-1])
+    b, total = len(lens), int(cu[-1]) + RAGGED_PADDING[step]
     rng = np.random.default_rng(17 + (page_size or 0))
     k_scale = rng.uniform(0.002, 0.02, h_k).astype(np.float32)
     v_scale = rng.uniform(0.002, 0.02, h_k).astype(np.float32)
@@ -272,7 +298,7 @@ def test_fp8_ragged_chunks_and_decodes(built, page_size, step):
     poison_allocator((q.shape, q.dtype), ((h_q, total), jnp.float32))
     ours, xla = both(q, jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(lens), jnp.asarray(cu),
                      None if table is None else jnp.asarray(table), jnp.asarray(k_scale), jnp.asarray(v_scale))
-    o_ref, lse_ref = np.zeros((total, h_q, d)), np.zeros((h_q, total))
+    o_ref, lse_ref = np.zeros((total, h_q, d)), np.full((h_q, total), -np.inf)
     for i in range(b):
         r = slice(cu[i], cu[i + 1])
         if cu[i + 1] > cu[i]:

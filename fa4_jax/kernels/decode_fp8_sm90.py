@@ -35,7 +35,7 @@ from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels import fp8_decode_layout as lay
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.softmax import finalize_row
-from fa4_jax.kernels.utils import pack_f32x2, pow2
+from fa4_jax.kernels.utils import fp8_q_exponent, pack_f32x2, pow2
 from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, lds_f32, lds_f32x4, mma_16816, movmatrix_trans, prmt
 from fa4_jax.kernels.warp_ptx import sts_f32, sts_f32x4
 
@@ -43,36 +43,34 @@ _LOG2E = 1.4426950408889634
 # Conditional rescaling: a row's stored max moves only when a block max exceeds it by more than this
 # (log2 units), so P < 2^8 in fp16.
 RESCALE_LOG2 = 8.0
-# quantize_q's bound on its power of two (fwd_sm90.Q_E_BOUND: 2^e and 2^-e stay normal floats).
-Q_E_BOUND = 125
 
 
 class Fp8DecodeTile:
     """Compile-time configuration of the consumer; `consume` runs on the consumer warpgroup."""
 
-    def __init__(self, cfg, softcap: bool, kv_gather: bool):
+    def __init__(self, cfg, softcap: bool):
         if cfg.head_dim not in lay.HEAD_DIMS or cfg.tile_m != lay.TILE_M or cfg.tile_n != lay.TILE_N:
             raise ValueError(f"FP8 decode tile: head_dim in {lay.HEAD_DIMS}, tile {lay.TILE_M} x {lay.TILE_N}; "
                              f"got {cfg.head_dim=} {cfg.tile_m=} {cfg.tile_n=}")
         self.cfg = cfg
         self.hd = cfg.head_dim
         self.softcap = softcap
-        self.kv_gather = kv_gather
         self.k_steps = cfg.head_dim // 16  # QK^T's k-steps = PV's m-tiles
         self.groups = cfg.head_dim // 64  # 16-byte K loads per key row
         self.v_words = cfg.head_dim // 32  # 32-bit words of a thread's V chunk (head_dim / 8 bytes)
         self.stage_bytes = lay.TILE_N * cfg.head_dim
 
     @staticmethod
-    def check_stage_layout(layout, head_dim: int):
-        """The loads compute swizzled addresses themselves (fp8_decode_layout.swizzle): check that
-        formula against the FP8 stages' layout (which TMA fills) at every row and 16-byte unit."""
-        for row in range(lay.TILE_N):
-            for col in range(0, head_dim, 16):
-                got = layout((row, col, 1)) - layout((0, 0, 1))
-                want = lay.swizzle(head_dim, row * head_dim + col)
+    def check_stage_layout(layout, head_dim: int, stages: int):
+        """The loads compute swizzled addresses themselves (stage s at s * TILE_N * head_dim, then
+        fp8_decode_layout.swizzle): check that against the FP8 stages' layout (which TMA fills) at every
+        stage, row and 16-byte unit."""
+        for stage in range(stages):
+            for row, col in ((r, c) for r in range(lay.TILE_N) for c in range(0, head_dim, 16)):
+                got = layout((row, col, stage))
+                want = stage * lay.TILE_N * head_dim + lay.swizzle(head_dim, row * head_dim + col)
                 if got != want:
-                    raise ValueError(f"FP8 stage layout disagrees with fp8_decode_layout.swizzle at {(row, col)}: "
+                    raise ValueError(f"FP8 stage layout disagrees with fp8_decode_layout.swizzle at {(row, col, stage)}: "
                                      f"{got} != {want}")
 
     # ------------------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ class Fp8DecodeTile:
 
         # Q^T as the B operand, in registers for the whole tile: (half j, k-step s, register).
         q_frag = cute.make_rmem_tensor(cute.make_layout((nj, self.k_steps, 2)), Int32)
-        unscale = self.load_q(nj, q_frag, mQ, mKScale, work, seqlen, problem, g, q)
+        unscale = self.load_q(nj, q_frag, mQ, mKScale, softmax_scale_log2, work, seqlen, problem, g, q)
         scale_log2 = softmax_scale_log2
         prescale = softcap_prescale
         if const_expr(self.softcap):
@@ -179,7 +177,8 @@ class Fp8DecodeTile:
         return state
 
     @cute.jit
-    def load_q(self, nj: cutlass.Constexpr[int], q_frag, mQ, mKScale, work, seqlen, problem, g, q) -> Float32:
+    def load_q(self, nj: cutlass.Constexpr[int], q_frag, mQ, mKScale, softmax_scale_log2, work, seqlen, problem, g,
+               q) -> Float32:
         """The B fragments of Q^T: lane (g, q) holds rows 8 j + g, columns [64 G + 16 q, + 16) of each 64
         (fp8_decode_layout.qk_column), as fp16 q * 2^e with one e per tile putting the tile's largest
         finite |q| near 2^12 (every warp computes it over the whole tile: its lanes hold all of it).
@@ -209,9 +208,8 @@ class Fp8DecodeTile:
             amax = cute.arch.fmax(amax, a if a < Float32.inf else Float32(0.0))  # finite ones only
         for off in cutlass.range_constexpr(5):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << off))
-        e = cute.arch.fmin(cute.arch.fmax(12.0 - cute.math.log2(amax, fastmath=True), Float32(-Q_E_BOUND)),
-                           Float32(Q_E_BOUND))
-        e = Int32(e)
+        k_scale = mKScale[work.head]
+        e = fp8_q_exponent(amax, softmax_scale_log2, k_scale)
         factor = pow2(e)
         for j in cutlass.range_constexpr(nj):
             for s in cutlass.range_constexpr(self.k_steps):
@@ -219,7 +217,7 @@ class Fp8DecodeTile:
                 for reg in cutlass.range_constexpr(2):  # columns 2q, 2q+1 | 2q+8, 2q+9: bytes 4u + 2 reg + {0, 1}
                     q_frag[j, s, reg] = pack_f32x2(vals[j, G, 4 * u + 2 * reg] * factor,
                                                    vals[j, G, 4 * u + 2 * reg + 1] * factor, False)
-        return mKScale[work.head] * pow2(-e)
+        return k_scale * pow2(-e)
 
     @cute.jit
     def block(self, nj: cutlass.Constexpr[int], n_block, state, q_frag, acc_o, row_max, row_sum, lo, hi, seqlen_k,

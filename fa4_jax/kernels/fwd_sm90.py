@@ -80,15 +80,12 @@ from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_order import lpt_section_pairs
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler, TileHandout
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
-from fa4_jax.kernels.utils import wgmma
+from fa4_jax.kernels.utils import fp8_q_exponent, wgmma
 
 # FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
 WIDEN_WARPS = (1, 2)
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
-# quantize_q: the bound of its power of two (2^e and 2^-e stay normal floats; bf16's largest, ~2^128,
-# needs -116).
-Q_E_BOUND = 125
 
 _LOG2E = 1.4426950408889634
 
@@ -126,7 +123,11 @@ class FlashAttentionForwardSm90:
             # One-row pages take the whole producer warpgroup to gather rows: no warps left to widen V.
             raise ValueError("producer_widens_v: FP8 K/V loaded by TMA into a one-warpgroup tile only")
         # The FP8 decode tile's consumer (decode_fp8_sm90.py; None: the wgmma consumer of this file).
-        self.fp8_tile = Fp8DecodeTile(cfg, softcap, self.kv_gather) if cfg.fp8_decode else None
+        self.fp8_tile = Fp8DecodeTile(cfg, softcap) if cfg.fp8_decode else None
+        if cfg.fp8_decode and not (self.seams.q_load is QLoad.PACKED_GQA and mask == "local"
+                                   and self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
+            # It gathers pack-GQA rows, masks by runtime window bounds and stores as split_store does.
+            raise ValueError("the FP8 decode tile is the KV-cache family's (pack-GQA rows, `local` mask, split partials)")
         if page_rows not in PAGE_ROWS_CHOICES:
             raise ValueError(f"page_rows must be one of {PAGE_ROWS_CHOICES}; got {page_rows}")
         if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
@@ -283,7 +284,7 @@ class FlashAttentionForwardSm90:
         sKV16_layout = sV16_layout = None
         if const_expr(self.fp8_decode):
             sKV_layout = self.make_smem_layouts(kv_dtype)[1]
-            Fp8DecodeTile.check_stage_layout(sKV_layout, cfg.head_dim)
+            Fp8DecodeTile.check_stage_layout(sKV_layout, cfg.head_dim, cfg.stages)
         elif const_expr(self.kv_fp8):
             sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=1)[1]
             sV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages)[1] if cfg.producer_widens_v \
@@ -887,7 +888,7 @@ class FlashAttentionForwardSm90:
             if const_expr(tile.fp8 is not None):
                 # Q in fp16, scaled by 2^e into its range: the scores come out 2^e / k_scale times the
                 # true ones, which the tile's softmax factor takes back.
-                unscale = self.quantize_q(sQ, tile.fp8, tile.tidx, work, live_rows)
+                unscale = self.quantize_q(sQ, tile.fp8, tile.tidx, work, live_rows, softmax.scale_log2)
                 if const_expr(self.softcap):
                     tile_prescale = softcap_prescale * unscale
                 else:
@@ -1139,7 +1140,7 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def quantize_q(self, sQ, fp8, tidx, work, live_rows) -> Float32:
+    def quantize_q(self, sQ, fp8, tidx, work, live_rows, scale_log2: Float32) -> Float32:
         """FP8 K/V: rewrite the gathered 16-bit Q tile in place as fp16 q * 2^e, e an integer (one per
         tile) that puts the largest |q| of the tile's live rows near 2^12, well inside fp16's range
         (65504) whatever q's range (bf16 reaches 3e38). A power of two and fp16's 11 significant bits
@@ -1174,12 +1175,8 @@ class FlashAttentionForwardSm90:
             fp8.sAmax[warp] = amax
         cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
         amax = cute.arch.fmax(cute.arch.fmax(fp8.sAmax[0], fp8.sAmax[1]), cute.arch.fmax(fp8.sAmax[2], fp8.sAmax[3]))
-        # e = trunc(12 - log2(amax)), within [-Q_E_BOUND, Q_E_BOUND] (an all-zero tile gets the bound;
-        # bf16's largest, ~2^128, needs -116): the approximate log2 moves the largest value by less
-        # than a factor of 2 around 2^12.
-        e = cute.arch.fmin(cute.arch.fmax(12.0 - cute.math.log2(amax, fastmath=True), Float32(-Q_E_BOUND)),
-                           Float32(Q_E_BOUND))
-        e = Int32(e)
+        k_scale = fp8.mKScale[work.head]
+        e = fp8_q_exponent(amax, scale_log2, k_scale)
         factor = pow2(e)
         for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
             for k in cutlass.range_constexpr(cute.size(tQ, mode=[2])):
@@ -1188,7 +1185,7 @@ class FlashAttentionForwardSm90:
                 cute.copy(store, r16, tQ16[None, m, k])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
-        return fp8.mKScale[work.head] * pow2(-e)
+        return k_scale * pow2(-e)
 
     @cute.jit
     def _kv_wait(self, pipe, state):

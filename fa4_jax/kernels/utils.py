@@ -125,6 +125,26 @@ def pow2(e: Int32) -> Float32:
     return Float32(llvm.bitcast(Float32.mlir_type, Int32((e + 127) << 23).ir_value()))
 
 
+# FP8 K/V: the bound of q's power of two (2^e and 2^-e stay normal floats; bf16's largest, ~2^128,
+# needs -116).
+Q_E_BOUND = 125
+
+
+@cute.jit
+def fp8_q_exponent(amax: Float32, scale_log2: Float32, k_scale: Float32) -> Int32:
+    """FP8 K/V tiles scale q by 2^e into fp16 (fwd_sm90.quantize_q, decode_fp8_sm90.load_q), one integer e
+    per tile: trunc(12 - log2(amax)) for the tile's largest finite |q| amax (the approximate log2 moves
+    it by less than a factor of 2 around 2^12), within [-Q_E_BOUND, Q_E_BOUND], and at most where the
+    scores' factor scale_log2 * k_scale * 2^-e (the softmax's, without softcap) stays a normal float:
+    a factor of 0 times a masked score (-inf) is NaN. (An all-zero tile, e.g. a zero-padded decode
+    slot's q, would otherwise get the bound, 2^-125 times a small softmax scale and k_scale: 0.) The
+    cap's margin of 2 covers the approximate log2 and the truncation."""
+    e = cute.arch.fmin(cute.arch.fmax(12.0 - cute.math.log2(amax, fastmath=True), Float32(-Q_E_BOUND)),
+                       Float32(Q_E_BOUND))
+    e = cute.arch.fmin(e, cute.math.log2(scale_log2 * k_scale, fastmath=True) + 124.0)
+    return Int32(cute.arch.fmax(e, Float32(-Q_E_BOUND)))
+
+
 @dsl_user_op
 def pack_f32x2(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
     """(lo, hi) rounded to nearest even into one 32-bit register of two 16-bit floats, lo in the low
