@@ -334,3 +334,27 @@ def test_fp8_calls_take_an_fp8_tile_at_every_length(s_q, ragged):
                   ragged=ragged, kv_fp8=True, max_seqlen_q=s_q if ragged else 0, tile_m=tile_m, page_rows=16,
                   num_splits=0)
     assert kernel_variant("sm90", jnp.bfloat16, D, params) in default_menu()
+
+
+@pytest.mark.parametrize("slices,tile", [(4, 16), (8, 16), (9, 64), (16, 64)])
+def test_vmap_over_q_takes_the_fp8_tile_of_the_folded_rows(slices, tile):
+    """vmap over q alone folds the slices into each KV head's packed rows (one launch, the cache read
+    once); past 16 rows the 16-row FP8 tile would read the cache again per 16 rows, so the batch rule
+    picks the tile for the folded rows (here 2 q-heads per KV head: 2 rows per slice)."""
+    from fa4_jax.ops.kvcache.primitive import _join, fa4_kvcache_p
+
+    q = jax.ShapeDtypeStruct((slices, 2, 1, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 256, 2, 64), FP8)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    scale = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+    def one(q, k, v, lens, ks, vs):
+        return fa4_kvcache_p.bind(*_join(q, k, v, lens, None, None, None, ks, vs), softmax_scale=0.125,
+                                  window_left=-1, window_right=-1, softcap=0.0, has_sinks=False, paged=False,
+                                  ragged=False, kv_fp8=True, max_seqlen_q=0, tile_m=16, page_rows=16, num_splits=0,
+                                  implementation="fa4")
+
+    jaxpr = jax.make_jaxpr(jax.vmap(one, in_axes=(0, None, None, None, None, None)))(q, k, k, lens, scale, scale)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is fa4_kvcache_p]
+    assert eqn.params["tile_m"] == tile
+    assert eqn.invars[0].aval.shape == (2, 1, 4 * slices, 64)  # one launch, the slices among the heads

@@ -25,7 +25,7 @@ from fa4_jax.core.implementation import Implementation, resolve_implementation, 
 from fa4_jax.core.validation import check_flag, check_index, check_kvcache, check_num_splits, check_options, check_tensors
 from fa4_jax.ops.kvcache.primitive import check_operands, fa4_kvcache_p, kernel_variant
 from fa4_jax.ops.kvcache.quant import check_fp8_caches, check_scale, is_fp8, quantize
-from fa4_jax.ops.kvcache.spec import FP8_DECODE_TILE_M, PAGE_ROWS, TILE_M, page_rows_for, tile_m_for
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS, page_rows_for, tile_m_for
 
 STATIC_ARGNAMES = ("max_seqlen_q", "causal", "softmax_scale", "window_size", "softcap", "num_splits", "return_lse",
                    "implementation")
@@ -153,17 +153,13 @@ def _checked_caches(q, k_cache, v_cache, scales):
 
 
 def _tile_m(rows_per_sequence, heads_q, heads_kv, kv_fp8: bool = False) -> int:
-    """The kernel's query tile for sequences of up to `rows_per_sequence` queries (a symbolic count
-    takes the wide tile: correct for any value, fastest for long ones). FP8 caches have two
-    (spec.FP8_TILE_MS): the 16-row decode tile, and the 64-row tile, which serves prefill chunks too,
-    as several tiles per sequence."""
-    if kv_fp8:
-        rows = rows_per_sequence * max(heads_q // max(heads_kv, 1), 1) if all(
-            isinstance(x, int) for x in (rows_per_sequence, heads_q, heads_kv)) else None
-        return FP8_DECODE_TILE_M if rows is not None and rows <= FP8_DECODE_TILE_M else TILE_M
+    """The kernel's query tile for sequences of up to `rows_per_sequence` queries (spec.tile_m_for; a
+    symbolic count takes the wide tile: correct for any value, fastest for long ones). FP8 caches have
+    two (spec.FP8_TILE_MS): the 16-row decode tile, and the 64-row tile, which serves prefill chunks
+    too, as several tiles per sequence."""
     if not (isinstance(rows_per_sequence, int) and isinstance(heads_q, int) and isinstance(heads_kv, int)):
-        return tile_m_for(1 << 30)
-    return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1))
+        return tile_m_for(1 << 30, kv_fp8)
+    return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1), kv_fp8)
 
 
 def _page_rows(k_cache, paged: bool) -> int:

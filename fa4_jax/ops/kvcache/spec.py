@@ -70,8 +70,11 @@ def page_rows_for(page_size) -> int:
     return PAGE_ROWS if isinstance(page_size, int) and page_size % PAGE_ROWS == 0 else 1
 
 
-def tile_m_for(rows: int) -> int:
-    """The query tile for sequences of up to `rows` packed rows (queries x q-heads per KV head)."""
+def tile_m_for(rows: int, kv_fp8: bool = False) -> int:
+    """The query tile for sequences of up to `rows` packed rows (queries x q-heads per KV head); FP8
+    caches: the 16-row decode tile or the 64-row one (FP8_TILE_MS)."""
+    if kv_fp8:
+        return FP8_DECODE_TILE_M if rows <= FP8_DECODE_TILE_M else TILE_M
     return TILE_MS[0] if rows <= TILE_MS[0] else TILE_MS[1]
 
 
