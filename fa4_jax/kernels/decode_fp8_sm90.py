@@ -24,8 +24,6 @@ the max, sum and O stay mutually consistent (O and the sum are always relative t
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -137,7 +135,6 @@ class Fp8DecodeTile:
              softcap_prescale, problem, tidx, warp, lane):
         """One tile of nj n8 halves (8 nj packed rows): Q, every K/V block of its split, the merge of
         the warps and the stores. Returns the pipeline state past the tile's blocks."""
-        hd = self.hd
         g, q = lane // 4, lane % 4
         blocks = problem.blocks(seqlen)
         n_block_min, n_block_max = problem.n_block_range(blocks, work)
