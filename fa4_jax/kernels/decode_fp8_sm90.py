@@ -178,7 +178,8 @@ class Fp8DecodeTile:
                q) -> Float32:
         """The B fragments of Q^T: lane (g, q) holds rows 8 j + g, columns [64 G + 16 q, + 16) of each 64
         (fp8_decode_layout.qk_column), as fp16 q * 2^e with one e per tile putting the tile's largest
-        finite |q| near 2^12 (every warp computes it over the whole tile: its lanes hold all of it).
+        finite |q| near 2^12 (utils.fp8_q_exponent; every warp computes it over the whole tile: its lanes
+        hold all of it).
         Rows past the sequence's are zeros. Returns k_scale * 2^-e, the scores' factor."""
         hd = self.hd
         dtype = mQ.element_type
