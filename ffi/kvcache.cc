@@ -127,11 +127,13 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   }
   // The lowering picks the tile from the longest sequence's packed rows (spec.tile_m_for): 64 rows
   // (one consumer warpgroup) for decode; 128 for chunks, as efficient per key block as the dense kernel.
-  // FP8 caches: 16 rows (the warp-mma decode tile) or 64 (api._tile_m).
+  // FP8 caches: 16 rows (the warp-mma decode tile), 64 or 128 (api._tile_m; no 128 for one-row pages:
+  // PickVariant refuses the variant the menu lacks).
   const int tile_m = c.tile_m;
-  if (kv_fp8 ? (tile_m != kTileMFp8Decode && tile_m != kTileM) : (tile_m != kTileM && tile_m != kTileMWide))
+  if ((tile_m != kTileM && tile_m != kTileMWide) && !(kv_fp8 && tile_m == kTileMFp8Decode))
     return Invalid("tile_m must be " +
-                   (kv_fp8 ? std::to_string(kTileMFp8Decode) + " or " + std::to_string(kTileM)
+                   (kv_fp8 ? std::to_string(kTileMFp8Decode) + ", " + std::to_string(kTileM) + " or " +
+                                 std::to_string(kTileMWide)
                            : std::to_string(kTileM) + " or " + std::to_string(kTileMWide)) +
                    "; got " + std::to_string(tile_m));
   const int64_t rows = max_seqlen_q * (h_q / h_k);
@@ -151,8 +153,9 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   const int64_t blocks = std::max<int64_t>(1, (capacity + kSplitBlockKeys - 1) / kSplitBlockKeys);
   // The 64-row FP8 tile is bound by its consumer's widening and fills both CTA slots of an SM; the
   // 16-row FP8 decode tile draws the bandwidth like the 16-bit tiles, with one wave of one CTA per SM
-  // (H100 sweep, docs/PERF.md: 1 x 128k 16 splits 101 us vs 32 at 110; 8 x 32k 2 vs 4: 188 vs 202).
-  const bool widening_bound = kv_fp8 && tile_m != kTileMFp8Decode;
+  // (H100 sweep, docs/PERF.md: 1 x 128k 16 splits 101 us vs 32 at 110; 8 x 32k 2 vs 4: 188 vs 202);
+  // the 128-row FP8 chunk tile (producer widening, one CTA per SM) splits as the 16-bit chunk tile.
+  const bool widening_bound = kv_fp8 && tile_m == kTileM;
   const int64_t splits =
       c.num_splits != 0 ? c.num_splits
                         : ::fa4_jax::splits::AutoSplits(tiles, dev.num_sms, r.variant->ctas_per_sm, blocks, splits_cap,

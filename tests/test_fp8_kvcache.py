@@ -317,30 +317,48 @@ def test_export_round_trip():
     assert_same_fp8(k2, k)
 
 
-@pytest.mark.parametrize("s_q", [1, 8, 9, 16, 17, 512])
+@pytest.mark.parametrize("s_q", [1, 8, 9, 16, 17, 32, 33, 512])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_fp8_calls_take_an_fp8_tile_at_every_length(s_q, ragged):
-    """FP8 caches have two tiles (spec.FP8_TILE_MS): the 16-row decode tile while a sequence has at most
-    16 packed rows, else the 64-row tile (a prefill chunk runs as several of those per sequence instead
-    of the reference); the lowering picks a variant the menu has."""
+@pytest.mark.parametrize("page_rows", [16, 1])
+def test_fp8_calls_take_an_fp8_tile_at_every_length(s_q, ragged, page_rows):
+    """FP8 caches have three tiles (spec.FP8_TILE_MS): the 16-row decode tile while a sequence has at
+    most 16 packed rows, the 64-row tile up to 64, else the two-warpgroup chunk tile -- except with
+    one-row pages (page_rows 1), whose producer gathers rows and cannot widen: their chunks run as
+    several 64-row tiles per sequence. The lowering picks a variant the menu has."""
     from fa4_jax.families import default_menu
     from fa4_jax.ops.kvcache import api
     from fa4_jax.ops.kvcache.primitive import kernel_variant
 
-    tile_m = api._tile_m(s_q, H_Q, H_K, True)
-    assert tile_m == (16 if s_q * H_Q // H_K <= 16 else 64)
-    assert api._tile_m(s_q, H_Q, H_K) == (64 if s_q * H_Q // H_K <= 64 else 128)
-    params = dict(softmax_scale=SCALE, window_left=-1, window_right=0, softcap=0.0, has_sinks=False, paged=ragged,
-                  ragged=ragged, kv_fp8=True, max_seqlen_q=s_q if ragged else 0, tile_m=tile_m, page_rows=16,
+    rows = s_q * H_Q // H_K
+    paged = ragged or page_rows == 1
+    tile_m = api._tile_m(s_q, H_Q, H_K, True, page_rows)
+    assert tile_m == (16 if rows <= 16 else 64 if rows <= 64 or page_rows == 1 else 128)
+    assert api._tile_m(s_q, H_Q, H_K) == (64 if rows <= 64 else 128)
+    params = dict(softmax_scale=SCALE, window_left=-1, window_right=0, softcap=0.0, has_sinks=False, paged=paged,
+                  ragged=ragged, kv_fp8=True, max_seqlen_q=s_q if ragged else 0, tile_m=tile_m, page_rows=page_rows,
                   num_splits=0)
     assert kernel_variant("sm90", jnp.bfloat16, D, params) in default_menu()
 
 
-@pytest.mark.parametrize("slices,tile", [(4, 16), (8, 16), (9, 64), (16, 64)])
+def test_the_fp8_chunk_tile_has_no_one_row_pages():
+    """The 128-row FP8 tile's producer widens K and V; one-row pages take its whole warpgroup to gather
+    rows, so that variant is refused by name and absent from the menu."""
+    from fa4_jax.families import KVCacheVariant, default_menu
+
+    with pytest.raises(ValueError, match=r"the FP8 tile of 128 rows has page_rows in \(16,\): self.page_rows=1"):
+        KVCacheVariant("sm90", "bf16", 128, "local", False, True, 128, 1, kv_fp8=True)
+    fp8 = [v for v in default_menu() if isinstance(v, KVCacheVariant) and v.kv_fp8]
+    assert {v.tile_m for v in fp8} == {16, 64, 128}
+    assert not [v for v in fp8 if v.tile_m == 128 and v.page_rows == 1]
+    assert len([v for v in fp8 if v.tile_m == 128]) == 16
+
+
+@pytest.mark.parametrize("slices,tile", [(4, 16), (8, 16), (9, 64), (16, 64), (33, 128)])
 def test_vmap_over_q_takes_the_fp8_tile_of_the_folded_rows(slices, tile):
     """vmap over q alone folds the slices into each KV head's packed rows (one launch, the cache read
     once); past 16 rows the 16-row FP8 tile would read the cache again per 16 rows, so the batch rule
-    picks the tile for the folded rows (here 2 q-heads per KV head: 2 rows per slice)."""
+    picks the tile for the folded rows (here 2 q-heads per KV head: 2 rows per slice; past 64, the
+    two-warpgroup chunk tile)."""
     from fa4_jax.ops.kvcache.primitive import _join, fa4_kvcache_p
 
     q = jax.ShapeDtypeStruct((slices, 2, 1, 4, 64), jnp.bfloat16)

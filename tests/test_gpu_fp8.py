@@ -1,8 +1,9 @@
 """The FP8 (float8_e4m3fn) KV-cache kernels on the GPU (`@pytest.mark.gpu`): the 16-row decode tile,
 which widens each thread's FP8 bytes in registers for warp mmas (fa4_jax/kernels/decode_fp8_sm90.py:
-calls of up to 16 packed rows per sequence), and the 64-row tile for longer ones (prefill chunks),
-which widens K and V to fp16 in shared memory, V by two producer warps except with one-row pages
-(fa4_jax/kernels/fwd_sm90.py: dequant, widen_v, quantize_q).
+calls of up to 16 packed rows per sequence), the 64-row tile up to 64, which widens K and V to fp16
+in shared memory, V by two producer warps except with one-row pages, and the two-warpgroup chunk
+tile past 64 rows, whose producer widens both (fa4_jax/kernels/fwd_sm90.py: dequant, widen_kv,
+quantize_q; one-row pages run chunks as 64-row tiles).
 
 Every case: implementation="fa4" (a missing kernel fails, tests/gpu_menu.py says when one may skip),
 fresh random inputs twice after poisoning the allocator, the cache quantized with per-head scales,
@@ -24,7 +25,7 @@ import pytest
 import fa4_jax
 from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import KVCacheVariant
-from fa4_jax.ops.kvcache.spec import FP8_TILE_MS, MASK, PAGE_ROWS, page_rows_for
+from fa4_jax.ops.kvcache.spec import FP8_TILE_MS, FP8_WIDE_PAGE_ROWS, MASK, PAGE_ROWS, page_rows_for
 from gpu_menu import device_arch, require_variant
 from oracle import OPTION_CASES, attention_oracle, gather, make_sinks
 
@@ -40,11 +41,15 @@ def built(kernel_variants):
 
 
 def _require(built, dtype, hd, softcap, page_size):
-    """Both FP8 tiles (a call takes the one its rows need: api._tile_m)."""
+    """Every FP8 tile the cache layout has (a call takes the one its rows need: api._tile_m; one-row
+    pages have no 128-row tile)."""
     paged = page_size is not None
+    page_rows = page_rows_for(page_size) if paged else PAGE_ROWS
     for tile_m in FP8_TILE_MS:
-        require_variant(built, KVCacheVariant(device_arch(), dtype, hd, MASK, softcap, paged, tile_m,
-                                              page_rows_for(page_size) if paged else PAGE_ROWS, kv_fp8=True))
+        if tile_m == max(FP8_TILE_MS) and page_rows not in FP8_WIDE_PAGE_ROWS:
+            continue
+        require_variant(built, KVCacheVariant(device_arch(), dtype, hd, MASK, softcap, paged, tile_m, page_rows,
+                                              kv_fp8=True))
 
 
 def _oracle(q, k32, v32, lens, opts, sinks):

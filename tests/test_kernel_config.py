@@ -60,7 +60,27 @@ def test_fp8_decode_runs_two_ctas_per_sm(hd, stages, rows1_stages, paged):
         assert cfg.consumer_regs + cfg.producer_regs == 2 * SM90_REGS // (2 * cfg.num_threads)
         ring = cfg.tile_n * hd * 2 if widens else 0  # one more stage: its FP8 K and V (and fp16 V)
         assert 2 * (cfg.smem_bytes + 1024) <= 228 * 1024 < 2 * (cfg.smem_bytes + cfg.tile_n * hd * 2 + ring + 1024)
-    assert not kvcache_config(hd, 128, paged, True).producer_widens_v
+
+
+
+@pytest.mark.parametrize("hd,stages", [(64, 4), (128, 2)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(hd, stages, paged):
+    """The FP8 chunk tile (two consumer warpgroups, ping-pong, one CTA per SM): both warpgroups read
+    every block, so the producer widens K and V into two fp16 rings of `stages` (as many as fit beside
+    the FP8 stages and Q: hd128 fills all but a KB of the 227); 2 x 232 + 40 registers fill the
+    launch's 168 x 384. One-row pages (no producer warps to spare) have no such tile."""
+    cfg = kvcache_config(hd, 128, paged, True, 16)
+    assert (cfg.producer_widens_k, cfg.producer_widens_v, cfg.ctas_per_sm, cfg.warpgroup_pingpong) == \
+        (True, True, 1, True)
+    assert (cfg.tile_n, cfg.stages, cfg.consumer_regs, cfg.producer_regs) == (128, stages, 232, 40)
+    assert 2 * cfg.consumer_regs + cfg.producer_regs == 3 * (SM90_REGS // cfg.num_threads // 8 * 8)  # 3 x 168
+    per_stage = cfg.tile_n * hd * (2 + 4)  # FP8 K + V, fp16 K + V
+    assert cfg.smem_bytes <= cfg.smem_limit < cfg.smem_bytes + per_stage
+    with pytest.raises(ValueError, match="the two-warpgroup tile needs the producer's widening"):
+        kvcache_config(hd, 128, True, True, 1)
+    with pytest.raises(ValueError, match="producer_widens_k: the producer widens V too"):
+        replace(cfg, producer_widens_v=False)
 
 
 def test_smem_estimate_counts_the_structs_two_slack_kilobytes():

@@ -48,6 +48,9 @@ class Sm90FwdConfig:
     # fp16 buffers beside the consumer's gemms, instead of the consumer widening it into one buffer
     # between them (one-row pages keep the latter: their whole producer warpgroup gathers rows).
     producer_widens_v: bool = False
+    # ... and K too, into a second ring (the FP8 chunk tile of two consumer warpgroups: both read every
+    # widened block, so no warpgroup can widen one for the other between its own gemms).
+    producer_widens_k: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
     # binary measured), shared memory for one.
@@ -64,6 +67,8 @@ class Sm90FwdConfig:
             if not (self.kv_fp8 and self.tile_m == lay.TILE_M and self.tile_n == lay.TILE_N
                     and self.head_dim in lay.HEAD_DIMS and not self.producer_widens_v):
                 raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
+        elif self.producer_widens_k and not self.producer_widens_v:
+            raise ValueError("producer_widens_k: the producer widens V too")
         elif self.tile_m % 64:
             raise ValueError(f"tile_m must be a multiple of 64 (one wgmma M): {self.tile_m=}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
@@ -108,8 +113,9 @@ class Sm90FwdConfig:
                     + SMEM_STRUCT_OVERHEAD)
         q = self.tile_m * self.head_dim * elem
         kv = 2 * self.stages * self.tile_n * self.head_dim * (1 if self.kv_fp8 else elem)
-        # The fp16 K buffer and V's (a ring of `stages` when the producer widens V).
-        widened = (1 + (self.stages if self.producer_widens_v else 1)) * self.tile_n * self.head_dim * elem
+        # The fp16 K buffer and V's (each a ring of `stages` when the producer widens it).
+        rings = (self.stages if self.producer_widens_k else 1) + (self.stages if self.producer_widens_v else 1)
+        widened = rings * self.tile_n * self.head_dim * elem
         widened = widened if self.kv_fp8 else 0
         # The kernel's shared storage (fwd_sm90.make_shared_storage) aligns every buffer to 1 KB: the
         # mbarriers ahead of the first buffer take one 1 KB slot, and the small fields after the last
@@ -213,17 +219,26 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         # as fit: three at hd128 and four at hd64 with two CTAs per SM where the consumer widens V into
         # one buffer; two beside the producer's ring of fp16 V stages).
         max_stages *= 2
-    producer_widens = kv_fp8 and tile_m == 64 and not (paged and page_rows == 1)
-    if producer_widens:
+    producer_widens = kv_fp8 and not (paged and page_rows == 1)
+    if producer_widens and tile_m == 64:
         # The widening warps hold 8 loads at a time before their stores (fwd_sm90.widen_block): 40
         # registers, as the paged producer; the consumer keeps 216 (the 128 launch registers of two
         # CTAs per SM shared out exactly; at 200 its split merge spilled).
         producer_regs, consumer_regs = 40, 216
+    widens_k = kv_fp8 and tile_m == 128
+    if widens_k:
+        # The FP8 chunk tile: both warpgroups read every block, so the producer widens K as well as V
+        # (two fp16 rings; the FP8 stages are only the widening's source). 2 x 232 + 40 fills the
+        # launch's 168 x 384 registers, as for the paged 16-bit chunk tile. One-row pages have no
+        # producer warps to spare (the whole warpgroup gathers rows): they keep the 64-row tile.
+        if not producer_widens:
+            raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
+        producer_regs, consumer_regs = 40, 232
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
-                             producer_widens_v=producer_widens)
+                             producer_widens_v=producer_widens, producer_widens_k=widens_k)
 
     return _most_stages(config, max_stages)
 

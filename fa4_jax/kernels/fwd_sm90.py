@@ -82,7 +82,8 @@ from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler, TileHa
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
 from fa4_jax.kernels.utils import fp8_q_exponent, wgmma
 
-# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
+# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks, and K blocks too with
+# cfg.producer_widens_k (warp 0 issues the loads),
 WIDEN_WARPS = (1, 2)
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
@@ -101,6 +102,7 @@ class FlashAttentionForwardSm90:
         # the tile is the few-row FP8 decode tile, which widens nothing in shared memory.
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
+        self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -116,12 +118,14 @@ class FlashAttentionForwardSm90:
             # The row gather and the per-row stores are written for one or two warpgroups that store
             # O from registers.
             raise ValueError("pack-GQA tiles use one or two consumer warpgroups and no O staging")
-        if self.kv_fp8 and (self.seams.q_load is not QLoad.PACKED_GQA or cfg.num_consumer_wg != 1):
-            # The widened K/V buffers are one warpgroup's: it converts a block, then its gemms read it.
-            raise ValueError("FP8 K/V: KV-cache tiles of one consumer warpgroup only")
-        if cfg.producer_widens_v and (not self.kv_fp8 or self.kv_gather or cfg.num_consumer_wg != 1):
+        if self.kv_fp8 and (self.seams.q_load is not QLoad.PACKED_GQA
+                            or cfg.num_consumer_wg != (2 if cfg.producer_widens_k else 1)):
+            # A buffer the consumer widens is one warpgroup's: it converts a block, then its gemms read
+            # it. Two warpgroups read rings the producer widens (cfg.producer_widens_k).
+            raise ValueError("FP8 K/V: KV-cache tiles of one consumer warpgroup, or two with producer_widens_k")
+        if cfg.producer_widens_v and (not self.kv_fp8 or self.kv_gather):
             # One-row pages take the whole producer warpgroup to gather rows: no warps left to widen V.
-            raise ValueError("producer_widens_v: FP8 K/V loaded by TMA into a one-warpgroup tile only")
+            raise ValueError("producer_widens_v: FP8 K/V loaded by TMA only")
         # The FP8 decode tile's consumer (decode_fp8_sm90.py; None: the wgmma consumer of this file).
         self.fp8_tile = Fp8DecodeTile(cfg, softcap) if cfg.fp8_decode else None
         if cfg.fp8_decode and not (self.seams.q_load is QLoad.PACKED_GQA and mask == "local"
@@ -286,7 +290,7 @@ class FlashAttentionForwardSm90:
             sKV_layout = self.make_smem_layouts(kv_dtype)[1]
             Fp8DecodeTile.check_stage_layout(sKV_layout, cfg.head_dim, cfg.stages)
         elif const_expr(self.kv_fp8):
-            sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=1)[1]
+            sKV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages if cfg.producer_widens_k else 1)[1]
             sV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages)[1] if cfg.producer_widens_v \
                 else sKV16_layout
             sKV_layout = self.make_smem_layouts(kv_dtype)[1]  # the FP8 stages TMA fills
@@ -345,8 +349,8 @@ class FlashAttentionForwardSm90:
                             sKV16_layout=None, sV16_layout=None):
         """Q's mbarriers only where TMA loads Q; the sO field only for the TMA_STORE epilogue
         (size 0 when O reuses Q's buffer). FP8 K/V (sKV16_layout given): the stages in kv_dtype, the
-        widened fp16 K buffer and V buffer (sV16_layout: a ring of stages with its mbarriers when the
-        producer widens V), the Q scale's cross-warp slots."""
+        widened fp16 K buffer (a ring of stages with its mbarriers when the producer widens K) and V
+        buffer (sV16_layout: likewise when the producer widens V), the Q scale's cross-warp slots."""
         cfg = self.cfg
         mbar = cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
 
@@ -361,6 +365,8 @@ class FlashAttentionForwardSm90:
         fields.update(mbar_k=mbar, mbar_v=mbar)
         if cfg.producer_widens_v:
             fields["mbar_v16"] = mbar  # the fp16 V ring (make_pipelines)
+        if cfg.producer_widens_k:
+            fields["mbar_k16"] = mbar  # ... and K's
         if not self.fp8_decode:  # (the FP8 decode tile keeps Q in registers)
             fields["sQ"] = smem(cute.cosize(sQ_layout))
         fields.update(sK=smem(cute.cosize(sKV_layout), kv_dtype), sV=smem(cute.cosize(sKV_layout), kv_dtype))
@@ -369,7 +375,7 @@ class FlashAttentionForwardSm90:
         elif self.kv_fp8:
             fields.update(sK16=smem(cute.cosize(sKV16_layout), cutlass.Float16),
                           sV16=smem(cute.cosize(sV16_layout), cutlass.Float16),
-                          q_amax=cute.struct.MemRange[Float32, 4])
+                          q_amax=cute.struct.MemRange[Float32, 4 * cfg.num_consumer_wg])
         if self.seams.epilogue is Epilogue.TMA_STORE:
             fields["sO"] = smem(sO_size)
         if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
@@ -413,8 +419,9 @@ class FlashAttentionForwardSm90:
         """TMA pipelines for Q (one stage; None without with_q), K and V (cfg.stages each), from the
         storage's mbar_q / mbar_k / mbar_v, and with cfg.producer_widens_v the fp16 V ring's
         (mbar_v16; else None): its producers are the WIDEN_WARPS' threads, which are also the FP8 V
-        stages' consumers (one signalling lane per warp releases). Ends with the barrier-init fence
-        and a CTA sync. Returns (pipe_q, pipe_k, pipe_v, pipe_v16)."""
+        stages' consumers (one signalling lane per warp releases); likewise K's with
+        cfg.producer_widens_k (mbar_k16). Ends with the barrier-init fence and a CTA sync. Returns
+        (pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16)."""
         cfg = self.cfg
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # TMA pipelines release with one elected thread per consumer warp.
@@ -438,28 +445,31 @@ class FlashAttentionForwardSm90:
                 for mbar in (storage.mbar_k, storage.mbar_v)
             )
         else:
-            v_consumers = consumers
-            if const_expr(cfg.producer_widens_v):
-                v_consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, len(WIDEN_WARPS))
+            widen_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, len(WIDEN_WARPS))
+            k_consumers = widen_warps if const_expr(cfg.producer_widens_k) else consumers
+            v_consumers = widen_warps if const_expr(cfg.producer_widens_v) else consumers
             pipe_k, pipe_v = (
                 pipeline.PipelineTmaAsync.create(
                     barrier_storage=mbar.data_ptr(), num_stages=cfg.stages, producer_group=producer,
                     consumer_group=group, tx_count=self.kv_bytes, defer_sync=True,
                 )
-                for mbar, group in ((storage.mbar_k, consumers), (storage.mbar_v, v_consumers))
+                for mbar, group in ((storage.mbar_k, k_consumers), (storage.mbar_v, v_consumers))
             )
-        pipe_v16 = None
-        if const_expr(cfg.producer_widens_v):
+
+        def widened_ring(mbar):
             # Every widening thread arrives once its stores are fenced; every consumer thread releases.
-            pipe_v16 = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_v16.data_ptr(), num_stages=cfg.stages,
+            return pipeline.PipelineAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=cfg.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(WIDEN_WARPS)),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * cfg.num_consumer_wg),
                 defer_sync=True,
             )
+
+        pipe_k16 = widened_ring(storage.mbar_k16) if const_expr(cfg.producer_widens_k) else None
+        pipe_v16 = widened_ring(storage.mbar_v16) if const_expr(cfg.producer_widens_v) else None
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        return pipe_q, pipe_k, pipe_v, pipe_v16
+        return pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16
 
     def consumer_fragments(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, wg):
         """A consumer warpgroup's gemm operands and accumulators: (tSrQ, tSrK, tOrVt, tOrP, acc_O,
@@ -573,7 +583,8 @@ class FlashAttentionForwardSm90:
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         self.stamps.start(storage)
-        pipe_q, pipe_k, pipe_v, pipe_v16 = self.make_pipelines(storage, with_q=self.seams.q_load is QLoad.TMA)
+        pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16 = self.make_pipelines(storage,
+                                                                         with_q=self.seams.q_load is QLoad.TMA)
 
         sQ = None
         if const_expr(not self.fp8_decode):
@@ -611,7 +622,7 @@ class FlashAttentionForwardSm90:
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
             elif const_expr(cfg.producer_widens_v):
                 if warp_idx <= WIDEN_WARPS[-1]:
-                    self.widen_v(pipe_v, pipe_v16, fp8, scheduler, problem)
+                    self.widen_kv(pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler, problem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             if const_expr(self.fp8_decode):
@@ -620,10 +631,11 @@ class FlashAttentionForwardSm90:
                                       storage.merge.data_ptr().toint(), pipe_k, pipe_v, softmax_scale_log2,
                                       softcap_prescale, scheduler, problem, sMergeFlag)
             else:
-                # With the producer widening V, the consumers' V pipeline is the fp16 ring: they read V
-                # as the 16-bit kernels do (fp8.sV16 holds its stages).
+                # With the producer widening V (and K), the consumers' V (and K) pipeline is the fp16
+                # ring: they read it as the 16-bit kernels do (fp8.sV16 / fp8.sK16 hold its stages).
                 self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
-                             tiled_mma_pv, pipe_q, pipe_k, pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
+                             tiled_mma_pv, pipe_q, pipe_k16 if const_expr(cfg.producer_widens_k) else pipe_k,
+                             pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
                              softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
 
     @cute.jit
@@ -735,19 +747,25 @@ class FlashAttentionForwardSm90:
         return state, q_state
 
     @cute.jit
-    def widen_v(self, pipe_v, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler, problem: TileProblem):
+    def widen_kv(self, pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler,
+                 problem: TileProblem):
         """FP8 K/V with cfg.producer_widens_v, on the WIDEN_WARPS: every V block of the CTA's tiles,
-        in the order the loads and the consumers take them (highest block first), widened from its
-        FP8 stage into the fp16 ring's stage of the same index (the consumers' one pipeline state
-        indexes their K and V rings alike), rows past the sequence's end zeroed. A block waits for
-        its FP8 stage (TMA) and its fp16 stage (the consumers' PV gemm of `stages` blocks earlier);
-        neither waits on a later load, so the loads, the widening and the gemms cannot deadlock.
-        The tiles and blocks are those of load_tile: the same skips (padding pseudo-batch, tiles
-        without rows or blocks)."""
+        and every K block with cfg.producer_widens_k, in the order the loads and the consumers take
+        them (K of the highest block, then K_{j-1} before V_j, highest first: load_blocks), each
+        widened from its FP8 stage into the fp16 ring's stage of the same index (the consumers' one
+        pipeline state indexes their K and V rings alike), V's rows past the sequence's end zeroed
+        (K's are masked). A block waits for its FP8 stage (TMA) and its fp16 stage (freed by the
+        consumers' gemm of `stages` blocks earlier); neither waits on a later load, so the loads,
+        the widening and the gemms cannot deadlock. The tiles and blocks are those of load_tile: the
+        same skips (padding pseudo-batch, tiles without rows or blocks)."""
         cfg = self.cfg
         tidx = cute.arch.thread_idx()[0] - 32 * WIDEN_WARPS[0]
         v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         v16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        k8_state = k16_state = None
+        if const_expr(cfg.producer_widens_k):
+            k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            k16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -758,19 +776,33 @@ class FlashAttentionForwardSm90:
                 if problem.has_rows(work, seqlen) and n_block_max > n_block_min:
                     for i in cutlass.range(n_block_max - n_block_min, unroll=1):
                         n_block = n_block_max - 1 - i
-                        pipe_v.consumer_wait(v8_state)
-                        pipe_v16.producer_acquire(v16_state)
-                        self.widen_block(fp8.sV8, v8_state.index, fp8.sV16, v16_state.index, tidx,
-                                         32 * len(WIDEN_WARPS), seqlen.seqlen_k - n_block * cfg.tile_n,
-                                         loads_per_round=WIDEN_LOADS_PER_ROUND)
-                        pipe_v16.producer_commit(v16_state)
-                        # One lane per warp releases the FP8 stage: the warp's other lanes' loads of it
-                        # must be done before TMA may overwrite it.
-                        cute.arch.sync_warp()
-                        pipe_v.consumer_release(v8_state)
-                        v8_state.advance()
-                        v16_state.advance()
+                        if const_expr(cfg.producer_widens_k):
+                            if i == 0:  # K of the highest block
+                                k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
+                                                                      k16_state, fp8.sK16, tidx)
+                            if n_block > n_block_min:  # K_{j-1} before V_j
+                                k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
+                                                                      k16_state, fp8.sK16, tidx)
+                        v8_state, v16_state = self._widen_one(pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state,
+                                                              fp8.sV16, tidx, seqlen.seqlen_k - n_block * cfg.tile_n)
             tile_idx = scheduler.next(tile_idx)
+
+    @cute.jit
+    def _widen_one(self, pipe8, state8, s8, pipe16, state16, s16, tidx, valid_rows=None):
+        """widen_kv's step: the next FP8 stage of pipe8 into the next fp16 stage of pipe16. Returns
+        both states, advanced."""
+        pipe8.consumer_wait(state8)
+        pipe16.producer_acquire(state16)
+        self.widen_block(s8, state8.index, s16, state16.index, tidx, 32 * len(WIDEN_WARPS), valid_rows,
+                         loads_per_round=4 if const_expr(self.cfg.producer_widens_k) else WIDEN_LOADS_PER_ROUND)
+        pipe16.producer_commit(state16)
+        # One lane per warp releases the FP8 stage: the warp's other lanes' loads of it must be done
+        # before TMA may overwrite it.
+        cute.arch.sync_warp()
+        pipe8.consumer_release(state8)
+        state8.advance()
+        state16.advance()
+        return state8, state16
 
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
@@ -888,7 +920,8 @@ class FlashAttentionForwardSm90:
             if const_expr(tile.fp8 is not None):
                 # Q in fp16, scaled by 2^e into its range: the scores come out 2^e / k_scale times the
                 # true ones, which the tile's softmax factor takes back.
-                unscale = self.quantize_q(sQ, tile.fp8, tile.tidx, work, live_rows, softmax.scale_log2)
+                q_rows = seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m
+                unscale = self.quantize_q(sQ, tile.fp8, tile.tidx, work, q_rows, softmax.scale_log2)
                 if const_expr(self.softcap):
                     tile_prescale = softcap_prescale * unscale
                 else:
@@ -953,7 +986,7 @@ class FlashAttentionForwardSm90:
         self._kv_wait(pipe_k, state)
         self.stamps.consumer_at(phase_times.FIRST_K)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        if const_expr(fp8 is not None):
+        if const_expr(self.consumer_widens_k):
             self.dequant(fp8.sK8, state.index, fp8.sK16, tidx, wg)
             pipe_k.consumer_release(state)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, 0], zero_init=True, wait=0)
@@ -1032,7 +1065,7 @@ class FlashAttentionForwardSm90:
         state.advance()
         self._kv_wait(pipe_k, state)
         k_stage, v_stage = state.index, v_state.index
-        if const_expr(fp8 is not None):
+        if const_expr(self.consumer_widens_k):
             self.dequant(fp8.sK8, state.index, fp8.sK16, tidx, wg)
             pipe_k.consumer_release(state)
             k_stage = 0
@@ -1050,7 +1083,7 @@ class FlashAttentionForwardSm90:
         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_stage], wait=-1)
         self._pingpong_signal(wg)
         warpgroup.wait_group(1)  # S_j ready; PV still running
-        if const_expr(fp8 is None):
+        if const_expr(not self.consumer_widens_k):
             pipe_k.consumer_release(state)
         if const_expr(self.softcap):
             OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
@@ -1140,23 +1173,26 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def quantize_q(self, sQ, fp8, tidx, work, live_rows, scale_log2: Float32) -> Float32:
+    def quantize_q(self, sQ, fp8, tidx, work, q_rows, scale_log2: Float32) -> Float32:
         """FP8 K/V: rewrite the gathered 16-bit Q tile in place as fp16 q * 2^e, e an integer (one per
         tile) that puts the largest |q| of the tile's live rows near 2^12, well inside fp16's range
         (65504) whatever q's range (bf16 reaches 3e38). A power of two and fp16's 11 significant bits
         (bf16 has 8) make this exact for every element within 2^-26 of the largest; smaller ones,
         which move no score, may round. Returns k_scale * 2^-e, the factor the tile's scores need
-        (folded into the softmax scale or softcap's prescale, float32). Rows past live_rows (left as
-        they were by the gather) are rewritten too but never stored. e comes from the finite elements
-        only: an infinite one spoils its own row (NaN, as in the 16-bit kernels), not the tile's
-        other rows' scale (with it, e was the bound and their q flushed to zero)."""
+        (folded into the softmax scale or softcap's prescale, float32). Rows from q_rows on (the
+        tile's rows past the sequence's, left as they were by the gather) are rewritten too but never
+        stored. e comes from the finite elements only: an infinite one spoils its own row (NaN, as in
+        the 16-bit kernels), not the tile's other rows' scale (with it, e was the bound and their q
+        flushed to zero). Every consumer thread takes part (the two-warpgroup tile's threads each
+        rewrite rows of both halves, as the gather wrote them), with two barriers of all of them."""
         cfg = self.cfg
         dtype = sQ.element_type
         f16 = cutlass.Float16
+        n_threads = 128 * cfg.num_consumer_wg
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f16, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(atom, *row_thread_layout(dtype, cfg.head_dim, 128))
-        thr = tiled.get_slice(tidx % 128)
+        tiled = cute.make_tiled_copy_tv(atom, *row_thread_layout(dtype, cfg.head_dim, n_threads))
+        thr = tiled.get_slice(tidx % n_threads)
         tQ = thr.partition_S(sQ)
         tQ16 = thr.partition_D(fp8.sQ16)
         tc = thr.partition_S(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim)))
@@ -1164,17 +1200,19 @@ class FlashAttentionForwardSm90:
         r16 = cute.make_rmem_tensor(cute.make_layout(128 // dtype.width), f16)
         amax = Float32(0.0)
         for m in cutlass.range_constexpr(cute.size(tQ, mode=[1])):
-            if tc[0, m, 0][0] < live_rows:
+            if tc[0, m, 0][0] < q_rows:
                 for k in cutlass.range_constexpr(cute.size(tQ, mode=[2])):
                     cute.copy(atom, tQ[None, m, k], r)
                     a = abs(r.load().to(Float32))
                     amax = row_max(cute.where(a < Float32.inf, a, Float32(0.0)), amax)  # finite ones only
         amax = cute.arch.warp_reduction_max(amax)
-        warp = (tidx % 128) // 32
+        warp = (tidx % n_threads) // 32
         if cute.arch.lane_idx() == 0:
             fp8.sAmax[warp] = amax
-        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
+        self._consumers_sync()
         amax = cute.arch.fmax(cute.arch.fmax(fp8.sAmax[0], fp8.sAmax[1]), cute.arch.fmax(fp8.sAmax[2], fp8.sAmax[3]))
+        for w in cutlass.range_constexpr(4, 4 * cfg.num_consumer_wg):
+            amax = cute.arch.fmax(amax, fp8.sAmax[w])
         k_scale = fp8.mKScale[work.head]
         e = fp8_q_exponent(amax, scale_log2, k_scale)
         factor = pow2(e)
@@ -1184,8 +1222,15 @@ class FlashAttentionForwardSm90:
                 r16.store((r.load().to(Float32) * factor).to(f16))
                 cute.copy(store, r16, tQ16[None, m, k])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
+        self._consumers_sync()
         return k_scale * pow2(-e)
+
+    def _consumers_sync(self):
+        """A barrier of every consumer thread: one warpgroup's (as it always was) or both."""
+        if const_expr(self.cfg.num_consumer_wg == 1):
+            cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
+        else:
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=128 * self.cfg.num_consumer_wg)
 
     @cute.jit
     def _kv_wait(self, pipe, state):

@@ -133,7 +133,8 @@ def _attention(q, k_cache, v_cache, cache_seqlens, *, cu_seqlens_q, max_seqlen_q
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=False, kv_fp8=scales is not None,
-                  max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2], scales is not None),
+                  max_seqlen_q=0, tile_m=_tile_m(q.shape[1], q.shape[2], k_cache.shape[2], scales is not None,
+                                                 _page_rows(k_cache, paged)),
                   page_rows=_page_rows(k_cache, paged),
                   num_splits=num_splits or 0)
     operands = tuple(x for x in (q, k_cache, v_cache, cache_seqlens, page_table, sinks, *(scales or ()))
@@ -152,14 +153,14 @@ def _checked_caches(q, k_cache, v_cache, scales):
     return tuple(jax.ShapeDtypeStruct(x.shape, q.dtype) for x in (k_cache, v_cache))
 
 
-def _tile_m(rows_per_sequence, heads_q, heads_kv, kv_fp8: bool = False) -> int:
+def _tile_m(rows_per_sequence, heads_q, heads_kv, kv_fp8: bool = False, page_rows: int = PAGE_ROWS) -> int:
     """The kernel's query tile for sequences of up to `rows_per_sequence` queries (spec.tile_m_for; a
     symbolic count takes the wide tile: correct for any value, fastest for long ones). FP8 caches have
-    two (spec.FP8_TILE_MS): the 16-row decode tile, and the 64-row tile, which serves prefill chunks
-    too, as several tiles per sequence."""
+    three (spec.FP8_TILE_MS): the 16-row decode tile, the 64-row tile, and the two-warpgroup chunk
+    tile, which one-row pages (page_rows 1) do not have: their chunks run as 64-row tiles."""
     if not (isinstance(rows_per_sequence, int) and isinstance(heads_q, int) and isinstance(heads_kv, int)):
-        return tile_m_for(1 << 30, kv_fp8)
-    return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1), kv_fp8)
+        return tile_m_for(1 << 30, kv_fp8, page_rows)
+    return tile_m_for(rows_per_sequence * max(heads_q // max(heads_kv, 1), 1), kv_fp8, page_rows)
 
 
 def _page_rows(k_cache, paged: bool) -> int:
@@ -191,7 +192,7 @@ def _ragged(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, *, max_seqlen_q, p
     head_dim = q.shape[-1]
     params = dict(softmax_scale=scale, window_left=left, window_right=right, softcap=cap, has_sinks=sinks is not None,
                   paged=paged, ragged=True, kv_fp8=scales is not None, max_seqlen_q=max_q if isinstance(max_q, int) else 0,
-                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2], scales is not None),
+                  tile_m=_tile_m(max_q, q.shape[1], k_cache.shape[2], scales is not None, _page_rows(k_cache, paged)),
                   page_rows=_page_rows(k_cache, paged), num_splits=num_splits or 0)
     q4 = jnp.asarray(q)[None]
     operands = tuple(x for x in (q4, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, sinks, *(scales or ()))

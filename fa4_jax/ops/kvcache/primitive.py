@@ -193,7 +193,7 @@ def _batch_rule(args, dims, *, paged, has_sinks, kv_fp8, **params):
         if kv_fp8 and isinstance(rows, int) and rows > 0:
             # The folded slices multiply each sequence's packed rows: past the 16-row FP8 decode tile,
             # several of those would each read the whole cache again.
-            kw["tile_m"] = tile_m_for(rows * (qf.shape[2] // k.shape[2]), kv_fp8=True)
+            kw["tile_m"] = tile_m_for(rows * (qf.shape[2] // k.shape[2]), kv_fp8=True, page_rows=params["page_rows"])
         return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, cu_q, sf, ks, vs), **kw)), (0, 0)
     if ds is not None or ragged or scales_mapped:
         # (A ragged batch whose cache or offsets differ per slice: a sequential map over the slices.)

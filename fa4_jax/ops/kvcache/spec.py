@@ -70,11 +70,14 @@ def page_rows_for(page_size) -> int:
     return PAGE_ROWS if isinstance(page_size, int) and page_size % PAGE_ROWS == 0 else 1
 
 
-def tile_m_for(rows: int, kv_fp8: bool = False) -> int:
+def tile_m_for(rows: int, kv_fp8: bool = False, page_rows: int = PAGE_ROWS) -> int:
     """The query tile for sequences of up to `rows` packed rows (queries x q-heads per KV head); FP8
-    caches: the 16-row decode tile or the 64-row one (FP8_TILE_MS)."""
+    caches: the 16-row decode tile, the 64-row one, or the two-warpgroup chunk tile (FP8_TILE_MS),
+    which one-row pages do not have (FP8_WIDE_PAGE_ROWS): they keep the 64-row tile."""
     if kv_fp8:
-        return FP8_DECODE_TILE_M if rows <= FP8_DECODE_TILE_M else TILE_M
+        if rows <= FP8_DECODE_TILE_M:
+            return FP8_DECODE_TILE_M
+        return TILE_MS[1] if rows > TILE_M and page_rows in FP8_WIDE_PAGE_ROWS else TILE_M
     return TILE_MS[0] if rows <= TILE_MS[0] else TILE_MS[1]
 
 
@@ -109,6 +112,9 @@ class KVCacheVariant(AttentionVariant):
                            "page_rows": PAGE_ROWS_CHOICES}, ("paged", "kv_fp8"))
         if not self.paged and self.page_rows != PAGE_ROWS:
             raise ValueError(f"page_rows applies to paged caches only: {self.page_rows=} with paged=False")
+        if self.kv_fp8 and self.tile_m == TILE_MS[1] and self.page_rows not in FP8_WIDE_PAGE_ROWS:
+            raise ValueError(f"the FP8 tile of {self.tile_m} rows has page_rows in {FP8_WIDE_PAGE_ROWS}: "
+                             f"{self.page_rows=}")
 
     def _symbol_parts(self):
         parts = [self.arch, self.dtype, f"hd{self.head_dim}", self.mask]
@@ -141,13 +147,16 @@ class KVCacheVariant(AttentionVariant):
 # Rows per paged piece each architecture's kernel has: 16-row TMA pieces, and the one-row gather for
 # page sizes that are not multiples of PAGE_ROWS (SM90: the producer warpgroup; SM100: the load warp).
 PAGE_ROWS_BY_ARCH = {"sm90": PAGE_ROWS_CHOICES, "sm100": PAGE_ROWS_CHOICES}
-# FP8 caches (issue 17): Hopper tiles of 16 rows (decode) and 64 (which also serve prefill chunks as
-# several tiles per sequence: api._tile_m), at the head dims of the common models, so that the
-# default build grows by 48 variants, not 240. Other calls on FP8 caches run the exact reference
-# (api.py).
+# FP8 caches (issue 17): Hopper tiles of 16 rows (decode), 64 (speculative decode, many q-heads per KV
+# head) and 128 (prefill chunks: two warpgroups on K/V the producer widens), at the head dims of the
+# common models, so that the default build grows by 64 variants, not 360. Other calls on FP8 caches
+# run the exact reference (api.py).
 FP8_ARCHES = ("sm90",)
-FP8_TILE_MS = (FP8_DECODE_TILE_M, TILE_M)
+FP8_TILE_MS = (FP8_DECODE_TILE_M, TILE_M, TILE_MS[1])
 FP8_HEAD_DIMS = (64, 128)
+# Page pieces of the 128-row FP8 tile: its producer warps widen K and V, so one-row pages (whose whole
+# producer warpgroup gathers rows) are not among them.
+FP8_WIDE_PAGE_ROWS = (PAGE_ROWS,)
 
 
 def ctas_per_sm(variant: KVCacheVariant) -> int:
@@ -183,6 +192,7 @@ def default_menu() -> tuple[KVCacheVariant, ...]:
         for paged in (False, True)
         for tile_m in FP8_TILE_MS
         for page_rows in (PAGE_ROWS_CHOICES if paged else (PAGE_ROWS,))
+        if tile_m != TILE_MS[1] or page_rows in FP8_WIDE_PAGE_ROWS
     )
     return wide + fp8
 
