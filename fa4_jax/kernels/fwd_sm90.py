@@ -63,6 +63,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from fa4_jax.kernels import epilogue_sm90 as epi
+from fa4_jax.kernels import fp8_widen_layout as wl
 from fa4_jax.kernels import split_epilogue
 from fa4_jax.kernels.block_info import BlockInfo
 from fa4_jax.kernels.config import Sm90FwdConfig
@@ -81,10 +82,13 @@ from fa4_jax.kernels.tile_order import lpt_section_pairs
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler, TileHandout
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
 from fa4_jax.kernels.utils import fp8_q_exponent, wgmma
+from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, sts_b32x4
 
-# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks, and K blocks too with
-# cfg.producer_widens_k (warp 0 issues the loads),
+# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
 WIDEN_WARPS = (1, 2)
+# ... and with cfg.producer_widens_k, K and V blocks: all three warps beside the loads' (each on its own
+# SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening).
+WIDEN_WARPS_KV = (1, 2, 3)
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
 
@@ -103,6 +107,7 @@ class FlashAttentionForwardSm90:
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
+        self.widen_warps = WIDEN_WARPS_KV if cfg.producer_widens_k else WIDEN_WARPS
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -294,6 +299,8 @@ class FlashAttentionForwardSm90:
             sV16_layout = self.make_smem_layouts(cutlass.Float16, stages=cfg.stages)[1] if cfg.producer_widens_v \
                 else sKV16_layout
             sKV_layout = self.make_smem_layouts(kv_dtype)[1]  # the FP8 stages TMA fills
+            if const_expr(cfg.producer_widens_k):
+                self.check_widen_layouts(sKV_layout, sKV16_layout, cfg.tile_n, cfg.head_dim, cfg.stages)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q = tma_atom_O = None
@@ -445,7 +452,7 @@ class FlashAttentionForwardSm90:
                 for mbar in (storage.mbar_k, storage.mbar_v)
             )
         else:
-            widen_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, len(WIDEN_WARPS))
+            widen_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.widen_warps))
             k_consumers = widen_warps if const_expr(cfg.producer_widens_k) else consumers
             v_consumers = widen_warps if const_expr(cfg.producer_widens_v) else consumers
             pipe_k, pipe_v = (
@@ -460,7 +467,7 @@ class FlashAttentionForwardSm90:
             # Every widening thread arrives once its stores are fenced; every consumer thread releases.
             return pipeline.PipelineAsync.create(
                 barrier_storage=mbar.data_ptr(), num_stages=cfg.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(WIDEN_WARPS)),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.widen_warps)),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * cfg.num_consumer_wg),
                 defer_sync=True,
             )
@@ -603,7 +610,8 @@ class FlashAttentionForwardSm90:
             fp8 = _Fp8Tile(sK, sV, storage.sK16.get_tensor(sKV16_layout.outer, swizzle=sKV16_layout.inner),
                            storage.sV16.get_tensor(sV16_layout.outer, swizzle=sV16_layout.inner),
                            storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner, dtype=cutlass.Float16),
-                           storage.q_amax.get_tensor(cute.make_layout(4)), mKScale, mVScale)
+                           storage.q_amax.get_tensor(cute.make_layout(4 * cfg.num_consumer_wg)), mKScale, mVScale,
+                           tuple(x.data_ptr().toint() for x in (storage.sK, storage.sV, storage.sK16, storage.sV16)))
 
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
@@ -621,7 +629,7 @@ class FlashAttentionForwardSm90:
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
             elif const_expr(cfg.producer_widens_v):
-                if warp_idx <= WIDEN_WARPS[-1]:
+                if warp_idx <= self.widen_warps[-1]:
                     self.widen_kv(pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler, problem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -749,7 +757,7 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def widen_kv(self, pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler,
                  problem: TileProblem):
-        """FP8 K/V with cfg.producer_widens_v, on the WIDEN_WARPS: every V block of the CTA's tiles,
+        """FP8 K/V with cfg.producer_widens_v, on self.widen_warps: every V block of the CTA's tiles,
         and every K block with cfg.producer_widens_k, in the order the loads and the consumers take
         them (K of the highest block, then K_{j-1} before V_j, highest first: load_blocks), each
         widened from its FP8 stage into the fp16 ring's stage of the same index (the consumers' one
@@ -759,13 +767,14 @@ class FlashAttentionForwardSm90:
         the widening and the gemms cannot deadlock. The tiles and blocks are those of load_tile: the
         same skips (padding pseudo-batch, tiles without rows or blocks)."""
         cfg = self.cfg
-        tidx = cute.arch.thread_idx()[0] - 32 * WIDEN_WARPS[0]
+        tidx = cute.arch.thread_idx()[0] - 32 * self.widen_warps[0]
         v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         v16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        k8_state = k16_state = None
+        k8_state = k16_state = offs = None
         if const_expr(cfg.producer_widens_k):
             k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
             k16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+            offs = self.widen_offsets(tidx)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -779,22 +788,28 @@ class FlashAttentionForwardSm90:
                         if const_expr(cfg.producer_widens_k):
                             if i == 0:  # K of the highest block
                                 k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
-                                                                      k16_state, fp8.sK16, tidx)
+                                                                      k16_state, fp8.sK16, tidx, offs,
+                                                                      (fp8.addrs[0], fp8.addrs[2]))
                             if n_block > n_block_min:  # K_{j-1} before V_j
                                 k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
-                                                                      k16_state, fp8.sK16, tidx)
+                                                                      k16_state, fp8.sK16, tidx, offs,
+                                                                      (fp8.addrs[0], fp8.addrs[2]))
                         v8_state, v16_state = self._widen_one(pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state,
-                                                              fp8.sV16, tidx, seqlen.seqlen_k - n_block * cfg.tile_n)
+                                                              fp8.sV16, tidx, offs, (fp8.addrs[1], fp8.addrs[3]),
+                                                              seqlen.seqlen_k - n_block * cfg.tile_n)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
-    def _widen_one(self, pipe8, state8, s8, pipe16, state16, s16, tidx, valid_rows=None):
+    def _widen_one(self, pipe8, state8, s8, pipe16, state16, s16, tidx, offs=None, addrs=None, valid_rows=None):
         """widen_kv's step: the next FP8 stage of pipe8 into the next fp16 stage of pipe16. Returns
         both states, advanced."""
         pipe8.consumer_wait(state8)
         pipe16.producer_acquire(state16)
-        self.widen_block(s8, state8.index, s16, state16.index, tidx, 32 * len(WIDEN_WARPS), valid_rows,
-                         loads_per_round=4 if const_expr(self.cfg.producer_widens_k) else WIDEN_LOADS_PER_ROUND)
+        if const_expr(self.cfg.producer_widens_k):
+            self.widen_rows(addrs[0], state8.index, addrs[1], state16.index, tidx, offs, valid_rows)
+        else:
+            self.widen_block(s8, state8.index, s16, state16.index, tidx, 32 * len(self.widen_warps), valid_rows,
+                             loads_per_round=WIDEN_LOADS_PER_ROUND)
         pipe16.producer_commit(state16)
         # One lane per warp releases the FP8 stage: the warp's other lanes' loads of it must be done
         # before TMA may overwrite it.
@@ -1173,6 +1188,82 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()
 
     @cute.jit
+    def widen_offsets(self, tidx):
+        """A widening thread's byte offsets within a stage (fp8_widen_layout): its warp's first row,
+        then the FP8 and fp16 offsets of its element at each pass of one swizzle period. Returns
+        (rows_first, off8, off16); widen_rows adds the stage and the period's multiples."""
+        cfg = self.cfg
+        hd = cfg.head_dim
+        warp, lane = tidx // 32, tidx % 32
+        first = warp * wl.rows_per_warp(cfg.tile_n, len(self.widen_warps))
+        r, col = wl.lane_position(hd, lane)
+        off8 = cute.make_rmem_tensor(cute.make_layout(wl.period(hd)), Int32)
+        off16 = cute.make_rmem_tensor(cute.make_layout(wl.period(hd)), Int32)
+        for j in cutlass.range_constexpr(wl.period(hd)):
+            row = first + j * wl.rows_per_pass(hd) + r
+            off8[j] = wl.fp8_offset(hd, row, col)
+            off16[j] = wl.f16_offset(cfg.tile_n, row, col)
+        return first, off8, off16
+
+    @cute.jit
+    def widen_rows(self, base8, stage8, base16, stage16, tidx, offs, valid_rows=None):
+        """FP8 block `stage8` at shared address base8 -> fp16 stage `stage16` at base16, by
+        len(self.widen_warps) warps that need not divide the block's rows (fp8_widen_layout: warp w
+        takes rows [w R, (w + 1) R), the last warp fewer; a 16-row round past the block's end is
+        skipped), a round's 8-byte loads (one per pass, fp8_widen_layout.ROUND_ROWS rows) before their
+        conversions and 16-byte stores (compile-time offsets from offs: widen_offsets). Rows from `valid_rows` on become
+        zeros. The stores are fenced into the async proxy; the caller arrives."""
+        cfg = self.cfg
+        hd = cfg.head_dim
+        first, off8, off16 = offs
+        a8 = base8 + stage8 * wl.fp8_stage_bytes(cfg.tile_n, hd)
+        a16 = base16 + stage16 * wl.f16_stage_bytes(cfg.tile_n, hd)
+        lane_row = first + (tidx % 32) // wl.lanes_per_row(hd)
+        rpp, per = wl.rows_per_pass(hd), wl.period(hd)
+        n = wl.passes(cfg.tile_n, hd, len(self.widen_warps))
+        round_passes = wl.ROUND_ROWS // rpp
+        assert n % round_passes == 0 and round_passes % per == 0, (n, round_passes, per)
+        for b in cutlass.range_constexpr(n // round_passes):
+            if first + b * round_passes * rpp < cfg.tile_n:
+                words = []
+                for m in cutlass.range_constexpr(round_passes):
+                    i = b * round_passes + m
+                    words.append(lds(a8 + off8[i % per] + (i // per) * wl.PERIOD_ROWS * hd, 2))
+                for m in cutlass.range_constexpr(round_passes):
+                    i = b * round_passes + m
+                    w01 = e4m3x4_to_f16x2x2(words[m][0])
+                    w23 = e4m3x4_to_f16x2x2(words[m][1])
+                    out = [w01[0], w01[1], w23[0], w23[1]]
+                    if const_expr(valid_rows is not None):
+                        # All ones for a row of the sequence, zeros past its end.
+                        keep = Int32(0) - Int32(lane_row + i * rpp < valid_rows)
+                        out = [x & keep for x in out]
+                    sts_b32x4(a16 + off16[i % per] + (i // per) * wl.PERIOD_ROWS * 128, out)
+        cute.arch.fence_view_async_shared()
+
+    @staticmethod
+    def check_widen_layouts(sKV_layout, sKV16_layout, tile_n: int, head_dim: int, stages: int):
+        """widen_rows computes its addresses itself (fp8_widen_layout): check that against the FP8
+        stages' layout and the fp16 rings' at every stage, row and 8-element chunk. The layouts are
+        composed: a linear layout in elements, then the swizzle, which the shared-memory pointer
+        applies to byte addresses."""
+
+        def byte_offset(layout, elem_bytes, coord):
+            sw, x = layout.inner, elem_bytes * layout.outer(coord)
+            yyy = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+            return x ^ ((x & yyy) >> sw.num_shift)
+
+        for stage in range(stages):
+            for row in range(tile_n):
+                for col in range(0, head_dim, wl.ELEMS):
+                    got = byte_offset(sKV_layout, 1, (row, col, stage)), byte_offset(sKV16_layout, 2, (row, col, stage))
+                    want = (stage * wl.fp8_stage_bytes(tile_n, head_dim) + wl.fp8_offset(head_dim, row, col),
+                            stage * wl.f16_stage_bytes(tile_n, head_dim) + wl.f16_offset(tile_n, row, col))
+                    if got != want:
+                        raise ValueError(f"fp8_widen_layout disagrees with the stages' layouts at {(row, col, stage)}: "
+                                         f"{got} != {want}")
+
+    @cute.jit
     def quantize_q(self, sQ, fp8, tidx, work, q_rows, scale_log2: Float32) -> Float32:
         """FP8 K/V: rewrite the gathered 16-bit Q tile in place as fp16 q * 2^e, e an integer (one per
         tile) that puts the largest |q| of the tile's live rows near 2^12, well inside fp16's range
@@ -1267,6 +1358,8 @@ class _Fp8Tile:
     sAmax: cute.Tensor
     mKScale: cute.Tensor
     mVScale: cute.Tensor
+    # The four buffers' shared-memory byte addresses (K8, V8, K16, V16), for widen_rows.
+    addrs: tuple = ()
 
 
 @dataclass(frozen=True)  # frozen: read inside the dynamic tile loop (see tile_scheduler.py)

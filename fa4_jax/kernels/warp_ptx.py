@@ -121,3 +121,12 @@ def lds_f32(addr, *, loc=None, ip=None) -> Float32:
     """One float32 of shared memory at byte address `addr`."""
     return Float32(llvm.inline_asm(T.f32(), [_i32(addr, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r",
                                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def sts_b32x4(addr, words, *, loc=None, ip=None):
+    """Four 32-bit words (e.g. f16x2) to shared memory at byte address `addr` (16-byte aligned)."""
+    llvm.inline_asm(
+        None, [_i32(addr, loc, ip)] + [_i32(w, loc, ip) for w in words],
+        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

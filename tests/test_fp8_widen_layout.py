@@ -1,0 +1,90 @@
+"""The FP8 chunk tile's widening addresses (fa4_jax/kernels/fp8_widen_layout.py) on the CPU: the three
+warps' lanes and passes copy every element of a block exactly once, inside their stage, and neither
+the 8-byte loads nor the 16-byte stores conflict in shared-memory banks. (That the formulas are
+CuTe's layouts of the stages, fwd_sm90.check_widen_layouts checks when the kernels compile.)"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fa4_jax.kernels import fp8_widen_layout as wl
+
+WARPS = 3
+TILE_N = 128
+
+
+def _copies(hd):
+    """{(warp, lane, pass): (row, col)} for every copy a block takes."""
+    out = {}
+    for warp, lane, i in itertools.product(range(WARPS), range(32), range(wl.passes(TILE_N, hd, WARPS))):
+        e = wl.element_of(TILE_N, hd, WARPS, warp, lane, i)
+        if e is not None:
+            out[warp, lane, i] = e
+    return out
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_every_element_once(hd):
+    copies = _copies(hd)
+    want = {(r, c) for r in range(TILE_N) for c in range(0, hd, wl.ELEMS)}
+    assert sorted(copies.values()) == sorted(want)
+    # Whole rounds: a warp's rows and the block's are multiples of ROUND_ROWS (rounds are skipped whole).
+    assert wl.rows_per_warp(TILE_N, WARPS) % wl.ROUND_ROWS == 0 and TILE_N % wl.ROUND_ROWS == 0
+    assert wl.rows_per_warp(TILE_N, WARPS) % wl.PERIOD_ROWS == 0
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_offsets_are_bijections_within_a_stage(hd):
+    elems = [(r, c) for r in range(TILE_N) for c in range(hd)]
+    f8 = {wl.fp8_offset(hd, r, c) for r, c in elems}
+    f16 = {wl.f16_offset(TILE_N, r, c) for r, c in elems}
+    assert f8 == set(range(wl.fp8_stage_bytes(TILE_N, hd)))
+    assert f16 == set(range(0, wl.f16_stage_bytes(TILE_N, hd), 2))
+    # A lane's 8 elements are contiguous at both ends (one 8-byte load, one 16-byte store).
+    for r, c in itertools.product(range(TILE_N), range(0, hd, wl.ELEMS)):
+        assert [wl.fp8_offset(hd, r, c + k) for k in range(8)] == list(range(wl.fp8_offset(hd, r, c), wl.fp8_offset(hd, r, c) + 8))
+        assert [wl.f16_offset(TILE_N, r, c + k) for k in range(8)] == \
+            list(range(wl.f16_offset(TILE_N, r, c), wl.f16_offset(TILE_N, r, c) + 16, 2))
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_offsets_repeat_each_period_shifted_by_its_rows(hd):
+    """What widen_offsets / widen_rows rely on: a lane's offsets at pass i are those at pass i % period
+    plus (i // period) * 8 rows of bytes, from its warp's first row."""
+    per = wl.period(hd)
+    for warp, lane in itertools.product(range(WARPS), range(32)):
+        for i in range(wl.passes(TILE_N, hd, WARPS)):
+            e, e0 = (wl.element_of(TILE_N, hd, WARPS, warp, lane, j) for j in (i, i % per))
+            if e is None:
+                continue
+            shift = i // per * wl.PERIOD_ROWS
+            assert wl.fp8_offset(hd, *e) == wl.fp8_offset(hd, *e0) + shift * hd
+            assert wl.f16_offset(TILE_N, *e) == wl.f16_offset(TILE_N, *e0) + shift * 128
+
+
+def _wavefronts(addrs, width):
+    """Shared-memory wavefronts of one warp-wide access of `width` bytes per lane: lanes go in phases
+    of 128 / width; a phase takes as many wavefronts as the most distinct 4-byte words in one bank."""
+    per_phase = 128 // width
+    total = 0
+    for p in range(0, 32, per_phase):
+        banks = {}
+        for a in addrs[p:p + per_phase]:
+            for w in range(a // 4, (a + width) // 4):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_no_bank_conflicts(hd):
+    for warp, i in itertools.product(range(WARPS), range(wl.passes(TILE_N, hd, WARPS))):
+        elems = [wl.element_of(TILE_N, hd, WARPS, warp, lane, i) for lane in range(32)]
+        if elems[0] is None:
+            continue
+        loads = [wl.fp8_offset(hd, *e) for e in elems]
+        stores = [wl.f16_offset(TILE_N, *e) for e in elems]
+        assert _wavefronts(loads, 8) == 2, (warp, i)  # 256 bytes: two 128-byte wavefronts
+        assert _wavefronts(stores, 16) == 4, (warp, i)  # 512 bytes: four
