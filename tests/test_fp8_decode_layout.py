@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fa4_jax.kernels import fp8_decode_layout as lay
+from smem_banks import wavefronts
 
 HEAD_DIMS = lay.HEAD_DIMS
 
@@ -43,20 +44,6 @@ def test_a_thread_loads_the_columns_its_fragments_name(hd):
                 assert lay.qk_column(s, j) == 64 * G + 16 * q + 4 * u + i
 
 
-def _wavefronts(addrs, width):
-    """Shared-memory wavefronts of one warp-wide load of `width` bytes per lane: lanes go in phases of
-    128 bytes; within a phase, distinct 4-byte words in one bank serialise."""
-    per_phase = 128 // width
-    total = 0
-    for p in range(0, 32, per_phase):
-        banks = {}
-        for a in addrs[p:p + per_phase]:
-            for w in range(a // 4, (a + width) // 4):
-                banks.setdefault(w % 32, set()).add(w)
-        total += max(len(s) for s in banks.values())
-    return total
-
-
 @pytest.mark.parametrize("warp", range(lay.WARPS))
 @pytest.mark.parametrize("hd", HEAD_DIMS)
 def test_stage_loads_are_conflict_free(hd, warp):
@@ -65,18 +52,18 @@ def test_stage_loads_are_conflict_free(hd, warp):
         for G in range(hd // 64):
             addrs = [lay.swizzle(hd, (base + lay.key_row(hd, l // 4 + 8 * h)) * hd + 64 * G + 16 * (l % 4))
                      for l in range(32)]
-            assert _wavefronts(addrs, 16) == 4, (h, G)
+            assert wavefronts(addrs, 16) == 4, (h, G)
     width = hd // 8
     for d in (0, 1, 8, 9):
         addrs = [lay.swizzle(hd, (base + lay.key_row(hd, 2 * (l % 4) + d)) * hd + lay.v_chunk(hd, l // 4) * width)
                  for l in range(32)]
-        assert _wavefronts(addrs, width) == 32 * width // 128, d
+        assert wavefronts(addrs, width) == 32 * width // 128, d
 
 
 def test_identity_maps_would_conflict():
     """The model can fail: in key order, the K loads at hd128 take twice the wavefronts."""
     addrs = [lay.swizzle(128, (l // 4) * 128 + 16 * (l % 4)) for l in range(32)]
-    assert _wavefronts(addrs, 16) == 8
+    assert wavefronts(addrs, 16) == 8
 
 
 @pytest.mark.parametrize("hd", HEAD_DIMS)

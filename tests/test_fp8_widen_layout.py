@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from fa4_jax.kernels import fp8_widen_layout as wl
+from smem_banks import wavefronts
 
 WARPS = 3
 TILE_N = 128
@@ -64,20 +65,6 @@ def test_offsets_repeat_each_period_shifted_by_its_rows(hd):
             assert wl.f16_offset(TILE_N, *e) == wl.f16_offset(TILE_N, *e0) + shift * 128
 
 
-def _wavefronts(addrs, width):
-    """Shared-memory wavefronts of one warp-wide access of `width` bytes per lane: lanes go in phases
-    of 128 / width; a phase takes as many wavefronts as the most distinct 4-byte words in one bank."""
-    per_phase = 128 // width
-    total = 0
-    for p in range(0, 32, per_phase):
-        banks = {}
-        for a in addrs[p:p + per_phase]:
-            for w in range(a // 4, (a + width) // 4):
-                banks.setdefault(w % 32, set()).add(w)
-        total += max(len(v) for v in banks.values())
-    return total
-
-
 @pytest.mark.parametrize("hd", [64, 128])
 def test_no_bank_conflicts(hd):
     for warp, i in itertools.product(range(WARPS), range(wl.passes(TILE_N, hd, WARPS))):
@@ -86,5 +73,5 @@ def test_no_bank_conflicts(hd):
             continue
         loads = [wl.fp8_offset(hd, *e) for e in elems]
         stores = [wl.f16_offset(TILE_N, *e) for e in elems]
-        assert _wavefronts(loads, 8) == 2, (warp, i)  # 256 bytes: two 128-byte wavefronts
-        assert _wavefronts(stores, 16) == 4, (warp, i)  # 512 bytes: four
+        assert wavefronts(loads, 8) == 2, (warp, i)  # 256 bytes: two 128-byte wavefronts
+        assert wavefronts(stores, 16) == 4, (warp, i)  # 512 bytes: four

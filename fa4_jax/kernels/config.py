@@ -41,8 +41,8 @@ class Sm90FwdConfig:
     # CTAs resident per SM: the launch asks ptxas for min_blocks_per_mp of them, so registers per
     # thread are capped at 64K / (ctas * threads) and shared memory must fit ctas times.
     ctas_per_sm: int = 1
-    # FP8 K/V (KV-cache decode tiles): the stages hold 1-byte elements, and the consumer widens each
-    # block into one fp16 K and one fp16 V buffer that its wgmma reads (fwd_sm90.py, dequant).
+    # FP8 K/V (KV-cache tiles): the stages hold 1-byte elements, widened to fp16 for the wgmma: by the
+    # consumer into one buffer (fwd_sm90.py, dequant) or by producer warps into a ring (below).
     kv_fp8: bool = False
     # FP8 K/V: two producer warps (fwd_sm90.WIDEN_WARPS) widen each V block into a ring of `stages`
     # fp16 buffers beside the consumer's gemms, instead of the consumer widening it into one buffer
@@ -167,7 +167,8 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
     64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup.
     Decode at hd128 runs two CTAs per SM (ctas_per_sm; see below), except the paged 16-bit tile;
     FP8 decode at hd64 and hd128 does too; its few-row tile (tile_m fp8_decode_layout.TILE_M) is
-    fp8_decode_config's."""
+    fp8_decode_config's. FP8 chunks (tile_m 128) run the 16-bit chunk tile on K and V that producer
+    warps widen into fp16 rings (producer_widens_k)."""
     from fa4_jax.kernels import fp8_decode_layout as lay
 
     if kv_fp8 and tile_m == lay.TILE_M:

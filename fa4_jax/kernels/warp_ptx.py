@@ -1,7 +1,8 @@
-"""Warp-level PTX the FP8 decode tile (decode_fp8_sm90.py) is made of, as inline assembly on 32-bit
-registers: the synchronous tensor-core mma (m16n8k16, fp16 in, float32 accumulate), the e4m3 -> fp16
-conversion, the 8x8 transpose between an accumulator's layout and an operand's (movmatrix), byte
-permutes and vector loads of shared memory at computed addresses.
+"""Warp-level PTX the FP8 decode tile (decode_fp8_sm90.py) is made of, and the FP8 chunk tile's
+widening uses (fwd_sm90.widen_rows), as inline assembly on 32-bit registers: the synchronous
+tensor-core mma (m16n8k16, fp16 in, float32 accumulate), the e4m3 -> fp16 conversion, the 8x8
+transpose between an accumulator's layout and an operand's (movmatrix), byte permutes and vector
+loads and stores of shared memory at computed addresses.
 
 Why not CuTe's warp MMA atoms and copies: that tile places every operand register itself (keys and
 head-dim columns permuted so that each thread's bytes are contiguous in the swizzled FP8 stage,
@@ -91,13 +92,17 @@ def lds(addr, words: int, *, loc=None, ip=None):
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(words)]
 
 
+def _sts_v4(addr, values, ptx_type: str, constraint: str, cast, loc, ip):
+    llvm.inline_asm(
+        None, [_i32(addr, loc, ip)] + [cast(x, loc, ip) for x in values],
+        f"st.shared.v4.{ptx_type} [$0], {{$1, $2, $3, $4}};", ",".join(["r"] + [constraint] * 4),
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @dsl_user_op
 def sts_f32x4(addr, v, *, loc=None, ip=None):
     """Four float32 to shared memory at byte address `addr` (16-byte aligned)."""
-    llvm.inline_asm(
-        None, [_i32(addr, loc, ip)] + [_f32(x, loc, ip) for x in v],
-        "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    _sts_v4(addr, v, "f32", "f", _f32, loc, ip)
 
 
 @dsl_user_op
@@ -126,7 +131,4 @@ def lds_f32(addr, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def sts_b32x4(addr, words, *, loc=None, ip=None):
     """Four 32-bit words (e.g. f16x2) to shared memory at byte address `addr` (16-byte aligned)."""
-    llvm.inline_asm(
-        None, [_i32(addr, loc, ip)] + [_i32(w, loc, ip) for w in words],
-        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    _sts_v4(addr, words, "b32", "r", _i32, loc, ip)
