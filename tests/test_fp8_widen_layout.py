@@ -45,9 +45,9 @@ def test_offsets_are_bijections_within_a_stage(hd):
     assert f16 == set(range(0, wl.f16_stage_bytes(TILE_N, hd), 2))
     # A lane's 8 elements are contiguous at both ends (one 8-byte load, one 16-byte store).
     for r, c in itertools.product(range(TILE_N), range(0, hd, wl.ELEMS)):
-        assert [wl.fp8_offset(hd, r, c + k) for k in range(8)] == list(range(wl.fp8_offset(hd, r, c), wl.fp8_offset(hd, r, c) + 8))
-        assert [wl.f16_offset(TILE_N, r, c + k) for k in range(8)] == \
-            list(range(wl.f16_offset(TILE_N, r, c), wl.f16_offset(TILE_N, r, c) + 16, 2))
+        a8, a16 = wl.fp8_offset(hd, r, c), wl.f16_offset(TILE_N, r, c)
+        assert [wl.fp8_offset(hd, r, c + k) for k in range(8)] == list(range(a8, a8 + 8))
+        assert [wl.f16_offset(TILE_N, r, c + k) for k in range(8)] == list(range(a16, a16 + 16, 2))
 
 
 @pytest.mark.parametrize("hd", [64, 128])
@@ -62,7 +62,7 @@ def test_offsets_repeat_each_period_shifted_by_its_rows(hd):
                 continue
             shift = i // per * wl.PERIOD_ROWS
             assert wl.fp8_offset(hd, *e) == wl.fp8_offset(hd, *e0) + shift * hd
-            assert wl.f16_offset(TILE_N, *e) == wl.f16_offset(TILE_N, *e0) + shift * 128
+            assert wl.f16_offset(TILE_N, *e) == wl.f16_offset(TILE_N, *e0) + shift * wl.F16_ROW_BYTES
 
 
 @pytest.mark.parametrize("hd", [64, 128])

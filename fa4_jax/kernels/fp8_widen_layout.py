@@ -18,7 +18,8 @@ from __future__ import annotations
 from fa4_jax.kernels.fp8_decode_layout import swizzle as fp8_swizzle
 
 PERIOD_ROWS = 8  # both swizzles repeat every 8 rows
-F16_HALF_COLS = 64  # an fp16 swizzle atom is 64 columns (128 bytes) wide
+F16_HALF_COLS = 64  # an fp16 swizzle atom is 64 columns wide
+F16_ROW_BYTES = 2 * F16_HALF_COLS  # ... so a widened stage's rows are 128 bytes (per 64-column half)
 ELEMS = 8  # elements per lane and copy
 # Rows a warp loads before it converts and stores them (8 loads per lane at head_dim 128, 4 at 64: the
 # 40-register producer holds them); a round past the block's end is skipped, so a warp's rows and the
@@ -54,8 +55,8 @@ def fp8_offset(head_dim: int, row, col):
 def f16_offset(tile_n: int, row, col):
     """Byte offset of fp16 element (row, col) in a widened stage: 64-column halves of tile_n rows of
     128 bytes one after the other, each Swizzle<3,4,3> on bytes (CuTe's 128-byte K-major atom)."""
-    x = row * 128 + (col % F16_HALF_COLS) * 2
-    return (col // F16_HALF_COLS) * tile_n * 128 + (x ^ (((x >> 7) & 7) << 4))
+    x = row * F16_ROW_BYTES + (col % F16_HALF_COLS) * 2
+    return (col // F16_HALF_COLS) * tile_n * F16_ROW_BYTES + (x ^ (((x >> 7) & 7) << 4))
 
 
 def fp8_stage_bytes(tile_n: int, head_dim: int) -> int:

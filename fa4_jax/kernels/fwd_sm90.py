@@ -1209,10 +1209,10 @@ class FlashAttentionForwardSm90:
     def widen_rows(self, base8, stage8, base16, stage16, tidx, offs, valid_rows=None):
         """FP8 block `stage8` at shared address base8 -> fp16 stage `stage16` at base16, by
         len(self.widen_warps) warps that need not divide the block's rows (fp8_widen_layout: warp w
-        takes rows [w R, (w + 1) R), the last warp fewer; a 16-row round past the block's end is
-        skipped), a round's 8-byte loads (one per pass, fp8_widen_layout.ROUND_ROWS rows) before their
-        conversions and 16-byte stores (compile-time offsets from offs: widen_offsets). Rows from `valid_rows` on become
-        zeros. The stores are fenced into the async proxy; the caller arrives."""
+        takes rows [w R, (w + 1) R), the last warp fewer), a round of fp8_widen_layout.ROUND_ROWS rows
+        at a time (skipped past the block's end): its 8-byte loads, one per pass, then their
+        conversions and 16-byte stores, at compile-time offsets from offs (widen_offsets). Rows from
+        `valid_rows` on become zeros. The stores are fenced into the async proxy; the caller arrives."""
         cfg = self.cfg
         hd = cfg.head_dim
         first, off8, off16 = offs
@@ -1238,7 +1238,7 @@ class FlashAttentionForwardSm90:
                         # All ones for a row of the sequence, zeros past its end.
                         keep = Int32(0) - Int32(lane_row + i * rpp < valid_rows)
                         out = [x & keep for x in out]
-                    sts_b32x4(a16 + off16[i % per] + (i // per) * wl.PERIOD_ROWS * 128, out)
+                    sts_b32x4(a16 + off16[i % per] + (i // per) * wl.PERIOD_ROWS * wl.F16_ROW_BYTES, out)
         cute.arch.fence_view_async_shared()
 
     @staticmethod
@@ -1256,7 +1256,8 @@ class FlashAttentionForwardSm90:
         for stage in range(stages):
             for row in range(tile_n):
                 for col in range(0, head_dim, wl.ELEMS):
-                    got = byte_offset(sKV_layout, 1, (row, col, stage)), byte_offset(sKV16_layout, 2, (row, col, stage))
+                    got = (byte_offset(sKV_layout, 1, (row, col, stage)),
+                           byte_offset(sKV16_layout, 2, (row, col, stage)))
                     want = (stage * wl.fp8_stage_bytes(tile_n, head_dim) + wl.fp8_offset(head_dim, row, col),
                             stage * wl.f16_stage_bytes(tile_n, head_dim) + wl.f16_offset(tile_n, row, col))
                     if got != want:
@@ -1321,7 +1322,8 @@ class FlashAttentionForwardSm90:
         if const_expr(self.cfg.num_consumer_wg == 1):
             cute.arch.barrier(barrier_id=NamedBarrierFwd.v_tail(0), number_of_threads=128)
         else:
-            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=128 * self.cfg.num_consumer_wg)
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE),
+                              number_of_threads=128 * self.cfg.num_consumer_wg)
 
     @cute.jit
     def _kv_wait(self, pipe, state):
