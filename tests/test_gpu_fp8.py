@@ -160,6 +160,21 @@ def test_fp8_dtypes_head_dims(built, dtype, hd, page_size):
                  opts=dict(causal=True), seed=hd)
 
 
+@pytest.mark.parametrize("dtype,hd", [("bf16", 128), ("fp16", 128), ("bf16", 64), ("fp16", 64)])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("s_q,tile_m", [(9, 64), (100, 128)], ids=["m64_tile", "m128_tile"])
+def test_fp8_wgmma_tiles_dtypes_head_dims(built, dtype, hd, page_size, s_q, tile_m):
+    """Each wgmma FP8 tile at both head dims and q dtypes, contiguous and in 16-row page pieces: s_q 9
+    (36 packed rows: the 64-row tile, V widened by two producer warps, K by the consumer) and s_q 100
+    (400 rows: the 128-row chunk tile, K and V widened by three producer warps: fp8_widen_layout's
+    hd64 and hd128 row maps); a sequence shorter than the chunk, one ending inside a block, one long."""
+    from fa4_jax.ops.kvcache import api
+
+    assert api._tile_m(s_q, 8, 2, True, PAGE_ROWS) == tile_m  # the tile this case is for
+    run_fp8_case(built, s_q=s_q, lens=[s_q // 2, 129 + s_q, 1000], capacity=1000, dtype=dtype, hd=hd,
+                 page_size=page_size, opts=dict(causal=True), seed=hd + s_q + (page_size or 0))
+
+
 @pytest.mark.parametrize("hd", [128, 64])
 def test_fp8_speculative_rows(built, hd):
     """s_q 3 (three draft tokens): 12 packed rows per tile (both n8 halves of the 16-row tile),
