@@ -81,6 +81,12 @@ def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(hd, stages, paged):
         kvcache_config(hd, 128, True, True, 1)
     with pytest.raises(ValueError, match="producer_widens_k: the producer widens V too"):
         replace(cfg, producer_widens_v=False)
+    # The widening warps' 16-row rounds must end exactly at the block's end (fwd_sm90.widen_rows skips a
+    # round only when it starts past it), and fp8_widen_layout knows the hd64 / hd128 swizzles only.
+    with pytest.raises(ValueError, match=r"producer_widens_k: head_dim in \(64, 128\) and whole 16-row rounds"):
+        replace(cfg, tile_n=88)
+    with pytest.raises(ValueError, match=r"got self.head_dim=96"):
+        kvcache_config(96, 128, paged, True, 16)
 
 
 def test_smem_estimate_counts_the_structs_two_slack_kilobytes():

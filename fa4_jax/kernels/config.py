@@ -44,12 +44,13 @@ class Sm90FwdConfig:
     # FP8 K/V (KV-cache tiles): the stages hold 1-byte elements, widened to fp16 for the wgmma: by the
     # consumer into one buffer (fwd_sm90.py, dequant) or by producer warps into a ring (below).
     kv_fp8: bool = False
-    # FP8 K/V: two producer warps (fwd_sm90.WIDEN_WARPS) widen each V block into a ring of `stages`
+    # FP8 K/V: producer warps (fwd_sm90.WIDEN_WARPS: two) widen each V block into a ring of `stages`
     # fp16 buffers beside the consumer's gemms, instead of the consumer widening it into one buffer
     # between them (one-row pages keep the latter: their whole producer warpgroup gathers rows).
     producer_widens_v: bool = False
-    # ... and K too, into a second ring (the FP8 chunk tile of two consumer warpgroups: both read every
-    # widened block, so no warpgroup can widen one for the other between its own gemms).
+    # ... and K too, into a second ring, by three warps (WIDEN_WARPS_KV; the FP8 chunk tile of two
+    # consumer warpgroups: both read every widened block, so no warpgroup can widen one for the other
+    # between its own gemms).
     producer_widens_k: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
@@ -69,6 +70,15 @@ class Sm90FwdConfig:
                 raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
         elif self.producer_widens_k and not self.producer_widens_v:
             raise ValueError("producer_widens_k: the producer widens V too")
+        elif self.producer_widens_k:
+            from fa4_jax.kernels import fp8_widen_layout as wl
+
+            # fwd_sm90.widen_rows skips a warp's round only when it starts past the block: every warp's
+            # rounds must end exactly at tile_n (else the last warp would write into the next stage).
+            if not (self.head_dim in wl.HEAD_DIMS and self.tile_n % wl.ROUND_ROWS == 0
+                    and wl.rows_per_warp(self.tile_n, wl.WARPS) % wl.ROUND_ROWS == 0):
+                raise ValueError(f"producer_widens_k: head_dim in {wl.HEAD_DIMS} and whole "
+                                 f"{wl.ROUND_ROWS}-row rounds per widening warp; got {self.head_dim=}, {self.tile_n=}")
         elif self.tile_m % 64:
             raise ValueError(f"tile_m must be a multiple of 64 (one wgmma M): {self.tile_m=}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from fa4_jax.kernels.fp8_decode_layout import swizzle as fp8_swizzle
 
+HEAD_DIMS = (64, 128)  # the FP8 swizzles fp8_offset knows (fp8_decode_layout.swizzle)
+WARPS = 3  # widening warps (fwd_sm90.WIDEN_WARPS_KV)
 PERIOD_ROWS = 8  # both swizzles repeat every 8 rows
 F16_HALF_COLS = 64  # an fp16 swizzle atom is 64 columns wide
 F16_ROW_BYTES = 2 * F16_HALF_COLS  # ... so a widened stage's rows are 128 bytes (per 64-column half)

@@ -88,11 +88,13 @@ from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, sts_b32x4
 WIDEN_WARPS = (1, 2)
 # ... and with cfg.producer_widens_k, K and V blocks: all three warps beside the loads' (each on its own
 # SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening).
-WIDEN_WARPS_KV = (1, 2, 3)
+WIDEN_WARPS_KV = tuple(range(1, 1 + wl.WARPS))
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
 
 _LOG2E = 1.4426950408889634
+# (tile_n, head_dim, stages, layouts) that check_widen_layouts has checked in this process.
+_WIDEN_LAYOUTS_CHECKED: set = set()
 
 
 class FlashAttentionForwardSm90:
@@ -100,10 +102,10 @@ class FlashAttentionForwardSm90:
 
     def __init__(self, cfg: Sm90FwdConfig, mask: str, softcap: bool, seams: FwdSeams | None = None,
                  page_rows: int = PAGE_ROWS):
-        # FP8 K/V (cfg.kv_fp8, KV-cache decode tiles): see dequant() and quantize_q().
+        # FP8 K/V (cfg.kv_fp8, KV-cache tiles): see dequant(), widen_kv() and quantize_q().
         self.kv_fp8 = cfg.kv_fp8
-        # ... whose V the consumer widens itself (else the producer's WIDEN_WARPS do: widen_v), unless
-        # the tile is the few-row FP8 decode tile, which widens nothing in shared memory.
+        # ... whose V (and K) the consumer widens itself (else the producer's self.widen_warps do:
+        # widen_kv), unless the tile is the few-row FP8 decode tile, which widens nothing in shared memory.
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
@@ -300,7 +302,7 @@ class FlashAttentionForwardSm90:
                 else sKV16_layout
             sKV_layout = self.make_smem_layouts(kv_dtype)[1]  # the FP8 stages TMA fills
             if const_expr(cfg.producer_widens_k):
-                self.check_widen_layouts(sKV_layout, sKV16_layout, cfg.tile_n, cfg.head_dim, cfg.stages)
+                self.check_widen_layouts(sKV_layout, sKV16_layout, sV16_layout, cfg.tile_n, cfg.head_dim, cfg.stages)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q = tma_atom_O = None
@@ -425,7 +427,7 @@ class FlashAttentionForwardSm90:
     def make_pipelines(self, storage, with_q: bool = True):
         """TMA pipelines for Q (one stage; None without with_q), K and V (cfg.stages each), from the
         storage's mbar_q / mbar_k / mbar_v, and with cfg.producer_widens_v the fp16 V ring's
-        (mbar_v16; else None): its producers are the WIDEN_WARPS' threads, which are also the FP8 V
+        (mbar_v16; else None): its producers are self.widen_warps' threads, which are also the FP8 V
         stages' consumers (one signalling lane per warp releases); likewise K's with
         cfg.producer_widens_k (mbar_k16). Ends with the barrier-init fence and a CTA sync. Returns
         (pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16)."""
@@ -576,8 +578,8 @@ class FlashAttentionForwardSm90:
         n_listed: Optional[Int32],  # KV cache: entries of mTileList (0: no list)
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
-        sKV16_layout: Optional[cute.ComposedLayout],  # FP8 K/V: the widened fp16 K buffer
-        sV16_layout: Optional[cute.ComposedLayout],  # ... and V's (a ring with cfg.producer_widens_v)
+        sKV16_layout: Optional[cute.ComposedLayout],  # FP8 K/V: the widened fp16 K buffer (a ring with
+        sV16_layout: Optional[cute.ComposedLayout],  # cfg.producer_widens_k) and V's (cfg.producer_widens_v)
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
     ):
@@ -993,7 +995,8 @@ class FlashAttentionForwardSm90:
         it are listed in block_info.py. `state` is the K/V consumer state; returns it advanced past
         this tile's blocks. sV and tidx (the consumer thread index) are needed with FwdSeams.keys_past_end;
         live_rows bounds the rows whose results are stored (OnlineSoftmax.step; None: all). fp8 (a
-        _Fp8Tile): each FP8 stage is widened into the fp16 buffer the gemm reads (dequant)."""
+        _Fp8Tile): the consumer widens FP8 stages into the fp16 buffer the gemm reads (dequant) where
+        the producer does not (consumer_widens_k / _v); else pipe_k / pipe_v are the fp16 rings."""
         cfg = self.cfg
 
         # First block (highest index): S only; its PV gemm is issued in the next step.
@@ -1211,8 +1214,10 @@ class FlashAttentionForwardSm90:
         len(self.widen_warps) warps that need not divide the block's rows (fp8_widen_layout: warp w
         takes rows [w R, (w + 1) R), the last warp fewer), a round of fp8_widen_layout.ROUND_ROWS rows
         at a time (skipped past the block's end): its 8-byte loads, one per pass, then their
-        conversions and 16-byte stores, at compile-time offsets from offs (widen_offsets). Rows from
-        `valid_rows` on become zeros. The stores are fenced into the async proxy; the caller arrives."""
+        conversions and 16-byte stores, at offs' per-lane registers (widen_offsets) plus compile-time
+        constants. Rows from
+        `valid_rows` on become zeros. The stores are fenced into the async proxy; the caller arrives.
+        (Sm90FwdConfig checks that the warps' rounds end exactly at tile_n.)"""
         cfg = self.cfg
         hd = cfg.head_dim
         first, off8, off16 = offs
@@ -1242,13 +1247,21 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()
 
     @staticmethod
-    def check_widen_layouts(sKV_layout, sKV16_layout, tile_n: int, head_dim: int, stages: int):
+    def check_widen_layouts(sKV_layout, sK16_layout, sV16_layout, tile_n: int, head_dim: int, stages: int):
         """widen_rows computes its addresses itself (fp8_widen_layout): check that against the FP8
-        stages' layout and the fp16 rings' at every stage, row and 8-element chunk. The layouts are
-        composed: a linear layout in elements, then the swizzle, which the shared-memory pointer
-        applies to byte addresses."""
+        stages' layout and the fp16 rings' (K's and V's) at every stage, row and 8-element chunk. The
+        layouts are composed: a linear layout in elements, no offset, then the swizzle, which the
+        shared-memory pointer applies to byte addresses (from 1 KB-aligned buffers). Once per shape:
+        the 16 chunk-tile variants share two."""
+        layouts = tuple((str(x.inner), str(x.offset), str(x.outer)) for x in (sKV_layout, sK16_layout, sV16_layout))
+        key = (layouts, tile_n, head_dim, stages)
+        if key in _WIDEN_LAYOUTS_CHECKED:
+            return
 
         def byte_offset(layout, elem_bytes, coord):
+            off = layout.offset
+            if any(o != 0 for o in (cute.flatten(off) if isinstance(off, tuple) else (off,))):
+                raise ValueError(f"fp8_widen_layout assumes composed layouts without an offset: {layout}")
             sw, x = layout.inner, elem_bytes * layout.outer(coord)
             yyy = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
             return x ^ ((x & yyy) >> sw.num_shift)
@@ -1256,13 +1269,13 @@ class FlashAttentionForwardSm90:
         for stage in range(stages):
             for row in range(tile_n):
                 for col in range(0, head_dim, wl.ELEMS):
-                    got = (byte_offset(sKV_layout, 1, (row, col, stage)),
-                           byte_offset(sKV16_layout, 2, (row, col, stage)))
-                    want = (stage * wl.fp8_stage_bytes(tile_n, head_dim) + wl.fp8_offset(head_dim, row, col),
-                            stage * wl.f16_stage_bytes(tile_n, head_dim) + wl.f16_offset(tile_n, row, col))
+                    c = (row, col, stage)
+                    got = (byte_offset(sKV_layout, 1, c), byte_offset(sK16_layout, 2, c), byte_offset(sV16_layout, 2, c))
+                    w16 = stage * wl.f16_stage_bytes(tile_n, head_dim) + wl.f16_offset(tile_n, row, col)
+                    want = (stage * wl.fp8_stage_bytes(tile_n, head_dim) + wl.fp8_offset(head_dim, row, col), w16, w16)
                     if got != want:
-                        raise ValueError(f"fp8_widen_layout disagrees with the stages' layouts at {(row, col, stage)}: "
-                                         f"{got} != {want}")
+                        raise ValueError(f"fp8_widen_layout disagrees with the stages' layouts at {c}: {got} != {want}")
+        _WIDEN_LAYOUTS_CHECKED.add(key)
 
     @cute.jit
     def quantize_q(self, sQ, fp8, tidx, work, q_rows, scale_log2: Float32) -> Float32:

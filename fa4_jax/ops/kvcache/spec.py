@@ -102,8 +102,8 @@ class KVCacheVariant(AttentionVariant):
     paged: bool = False
     tile_m: int = TILE_M
     page_rows: int = PAGE_ROWS
-    # FP8 (float8_e4m3fn) K/V with float32 per-KV-head scales: TMA brings the FP8 blocks, the consumer
-    # warpgroup widens each to fp16 in shared memory for the tensor cores (fwd_sm90.py, dequant).
+    # FP8 (float8_e4m3fn) K/V with float32 per-KV-head scales: TMA brings the FP8 blocks, widened to
+    # fp16 for the tensor cores in registers (the 16-row tile) or in shared memory (docs/DESIGN.md).
     kv_fp8: bool = False
 
     def __post_init__(self):
