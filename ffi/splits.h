@@ -59,11 +59,12 @@ constexpr int64_t kMinFp8SplitGranules = 8;
 //
 // 16-bit decode draws the bandwidth with one CTA per SM: issue 20's sweeps found no gain in more
 // splits than fill one wave of those; so does the 16-row FP8 decode tile (its K/V are widened in
-// registers). The 64-row FP8 tile (`widening_bound`: chunks) is bound by its consumer widening each
-// block in shared memory, not by HBM, so it fills every CTA slot (two per SM), as long as each split
-// keeps kMinFp8SplitGranules granules of keys: shorter splits lose more to the merge than the second
-// slot gains (2026-12-04, 1 x 8k: 32 splits 18.5 us vs 16 splits 17.0), and then take the count
-// that divides the keys most evenly in that wave (EvenSplits).
+// registers). The 64-row FP8 tile (`widening_bound`: 17-64 packed rows, and chunks on one-row pages)
+// is bound by its consumer widening each block in shared memory, not by HBM, so it fills every CTA
+// slot (two per SM), as long as each split keeps kMinFp8SplitGranules granules of keys: shorter
+// splits lose more to the merge than the second slot gains (2026-12-04, 1 x 8k: 32 splits 18.5 us vs
+// 16 splits 17.0), and then take the count that divides the keys most evenly in that wave
+// (EvenSplits).
 inline int64_t AutoSplits(int64_t tiles, int64_t sms, int64_t ctas_per_sm, int64_t blocks, int64_t cap,
                           int64_t max_splits, bool widening_bound) {
   int64_t splits = FillWave(tiles, sms, blocks, cap, max_splits);

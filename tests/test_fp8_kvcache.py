@@ -376,3 +376,64 @@ def test_vmap_over_q_takes_the_fp8_tile_of_the_folded_rows(slices, tile):
     (eqn,) = [e for e in jaxpr.eqns if e.primitive is fa4_kvcache_p]
     assert eqn.params["tile_m"] == tile
     assert eqn.invars[0].aval.shape == (2, 1, 4 * slices, 64)  # one launch, the slices among the heads
+
+
+def _bound_tile(f, *args):
+    """(tile_m, page_rows) of the one KV-cache primitive in f's jaxpr (the bound equation shows the
+    variant the lowering picks; the CPU reference ignores both)."""
+    from fa4_jax.ops.kvcache.primitive import fa4_kvcache_p
+
+    (eqn,) = [e for e in jax.make_jaxpr(f)(*args).jaxpr.eqns if e.primitive is fa4_kvcache_p]
+    return eqn.params["tile_m"], eqn.params["page_rows"]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("s_q,page_size,want", [
+    (17, None, (64, 16)),    # 34 packed rows: the 64-row tile
+    (512, None, (128, 16)),  # a chunk: the two-warpgroup chunk tile
+    (512, 16, (128, 16)),    # ... in 16-row page pieces
+    (512, 5, (64, 1)),       # one-row pages have no chunk tile
+    (4, 5, (16, 1)),
+])
+def test_fp8_calls_bind_the_tile_and_page_pieces_they_need(ragged, s_q, page_size, want):
+    """The public calls, not just api._tile_m: the page pieces reach the FP8 tile choice on the dense
+    and the ragged paths (a chunk tile asked for with one-row pages would be a variant the menu lacks:
+    the reference instead)."""
+    b, pages = 2, 4
+    cache = (b, 1024, H_K, D) if page_size is None else (b * pages, page_size, H_K, D)
+    sds = jax.ShapeDtypeStruct
+    k = sds(cache, FP8)
+    table = None if page_size is None else sds((b, pages), jnp.int32)
+    scale = jnp.ones((H_K,), jnp.float32)
+    n = sds((b,), jnp.int32)
+    if ragged:
+        q = sds((b * s_q, H_Q, D), jnp.bfloat16)
+        cu = sds((b + 1,), jnp.int32)
+        f = lambda q, k, n, cu, t: attention_with_kvcache(  # noqa: E731
+            q, k, k, n, cu_seqlens_q=cu, max_seqlen_q=s_q, page_table=t, k_scale=scale, v_scale=scale)
+        assert _bound_tile(f, q, k, n, cu, table) == want
+    else:
+        q = sds((b, s_q, H_Q, D), jnp.bfloat16)
+        f = lambda q, k, n, t: attention_with_kvcache(q, k, k, n, page_table=t, k_scale=scale, v_scale=scale)  # noqa: E731
+        assert _bound_tile(f, q, k, n, table) == want
+
+
+@pytest.mark.parametrize("kv_fp8,page_rows,heads,want", [
+    (True, 16, (8, 2), 128),   # 20 queries x 4 q-heads per KV head: 80 rows
+    (True, 16, (2, 1), 64),    # a shard holding one KV head and 2 of its q-heads: 40 rows
+    (True, 1, (8, 2), 64),     # one-row pages: no chunk tile
+    (True, 16, (1, 1), 64),
+    (False, 16, (2, 1), 64),
+    (False, 1, (8, 2), 128),
+])
+def test_retiled_picks_the_tile_for_a_rules_shapes(kv_fp8, page_rows, heads, want):
+    """spec.retiled: the tile for the packed rows a shard (head sharding with fewer KV heads than
+    shards) or a vmap fold actually has; a symbolic row count keeps the lowering's choice."""
+    from fa4_jax.ops.kvcache.spec import retiled
+
+    params = dict(ragged=False, max_seqlen_q=0, paged=page_rows == 1, page_rows=page_rows, kv_fp8=kv_fp8, tile_m=0)
+    q_shape, k_shape = (3, 20, heads[0], D), (3, 64, heads[1], D)
+    assert retiled(params, q_shape, k_shape)["tile_m"] == want
+    ragged = dict(params, ragged=True, max_seqlen_q=20)
+    assert retiled(ragged, (1, 60, heads[0], D), k_shape)["tile_m"] == want  # rows from max_seqlen_q
+    assert retiled(dict(ragged, max_seqlen_q=0), (1, 60, heads[0], D), k_shape) == dict(ragged, max_seqlen_q=0)

@@ -235,9 +235,9 @@ def test_fp8_saturated_and_subnormal_cache(built):
 @pytest.mark.parametrize("s_q", [37, 128])
 @pytest.mark.parametrize("page_size", [None, 16, 1], ids=["contiguous", "page16", "page1"])
 def test_fp8_prefill_chunks(built, s_q, page_size):
-    """A prefill chunk on an FP8 cache (s_q x 4 q-heads per KV head = 148 / 512 packed rows): several
-    64-row tiles per sequence (more than the 16-row decode tile holds), bottom-right causal; the first
-    sequence is shorter than its chunk (its first rows see no key)."""
+    """A prefill chunk on an FP8 cache (s_q x 4 q-heads per KV head = 148 / 512 packed rows): the
+    128-row chunk tile (one-row pages: several 64-row tiles) per sequence, bottom-right causal; the
+    first sequence is shorter than its chunk (its first rows see no key)."""
     run_fp8_case(built, s_q=s_q, lens=[20, 300, 1999], capacity=1999, page_size=page_size,
                  opts=dict(causal=True), seed=s_q + (page_size or 0))
 
@@ -280,9 +280,9 @@ RAGGED_PADDING = {"chunks_and_decodes": 0, "decodes": 3, "drafts": 5}
 @pytest.mark.parametrize("page_size", [None, 16, 5], ids=["contiguous", "page16", "page5"])
 def test_fp8_ragged_chunks_and_decodes(built, page_size, step):
     """One ragged call (cu_seqlens_q) mixing prefill chunks, an empty sequence and one-token decodes
-    on an FP8 cache, as a serving step does (the 64-row tile), or decodes and draft tokens only (the
-    16-row tile: 4 q-heads per KV head x up to 4 queries, with the padding rows' pseudo-batch); slots
-    past each length and unowned pages NaN."""
+    on an FP8 cache, as a serving step does (the 128-row chunk tile; page 5: the 64-row one), or
+    decodes and draft tokens only (the 16-row tile: 4 q-heads per KV head x up to 4 queries, with the
+    padding rows' pseudo-batch); slots past each length and unowned pages NaN."""
     _require(built, "bf16", 128, False, page_size)
     h_q, h_k, d, cap = 8, 2, 128, 700
     q_lens = np.array(RAGGED_STEPS[step], np.int32)

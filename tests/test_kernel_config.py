@@ -62,7 +62,6 @@ def test_fp8_decode_runs_two_ctas_per_sm(hd, stages, rows1_stages, paged):
         assert 2 * (cfg.smem_bytes + 1024) <= 228 * 1024 < 2 * (cfg.smem_bytes + cfg.tile_n * hd * 2 + ring + 1024)
 
 
-
 @pytest.mark.parametrize("hd,stages", [(64, 4), (128, 2)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(hd, stages, paged):

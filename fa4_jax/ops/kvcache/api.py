@@ -68,11 +68,11 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
       k_scale, v_scale: with FP8 caches (float8_e4m3fn, both; every layout above), the float32 scales
         the cache was quantized with (update_kvcache): the cache holds value / scale and attention reads
         fp8 * scale. A scalar or (heads_kv,), traced values allowed; None = 1.0. Scales with 16-bit
-        caches are an error. q stays bfloat16/float16 and o has its dtype. On Hopper the FP8 kernel
-        serves every call at head_dim 64 and 128 (decode, prefill chunks as several 64-row tiles per
-        sequence, ragged batches), contiguous and paged, with every mask, softcap and sinks: it widens
-        each FP8 block to fp16 in shared memory and computes with q * k_scale in fp16 (scaled per tile
-        into fp16's range). Other FP8 calls (other head dims or GPUs) run the exact reference on the
+        caches are an error. q stays bfloat16/float16 and o has its dtype. On Hopper the FP8 kernels
+        serve every call at head_dim 64 and 128 (decode, prefill chunks, ragged batches), contiguous
+        and paged, with every mask, softcap and sinks: they widen FP8 to fp16 (in registers for up to
+        16 packed rows per sequence, in shared memory for longer ones) and compute with q * k_scale in
+        fp16 (scaled per tile into fp16's range). A symbolic query count takes the chunk tile. Other FP8 calls (other head dims or GPUs) run the exact reference on the
         dequantized (float32) cache (implementation None or "xla"; "fa4" says when it has no kernel;
         cuDNN has no FP8 path).
       implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every

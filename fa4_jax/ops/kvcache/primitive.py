@@ -30,7 +30,7 @@ from fa4_jax.ops.kvcache.quant import dequantize, is_fp8
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
 from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, PAGE_ROWS, SPLIT_BLOCK_KEYS, auto_split_capacity
-from fa4_jax.ops.kvcache.spec import tile_m_for
+from fa4_jax.ops.kvcache.spec import retiled
 from fa4_jax.ops.kvcache.tiles import ragged_tile_list
 
 OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks",
@@ -189,11 +189,9 @@ def _batch_rule(args, dims, *, paged, has_sinks, kv_fp8, **params):
     scales_mapped = dks is not None or dvs is not None
     if dk is None and dv is None and dl is None and dp is None and dc is None and not scales_mapped:
         qf, sf, unfold = fold_query_slices(q, dq, sinks, ds, size, k.shape[2])
-        rows = params["max_seqlen_q"] if ragged else qf.shape[1]
-        if kv_fp8 and isinstance(rows, int) and rows > 0:
-            # The folded slices multiply each sequence's packed rows: past the 16-row FP8 decode tile,
-            # several of those would each read the whole cache again.
-            kw["tile_m"] = tile_m_for(rows * (qf.shape[2] // k.shape[2]), kv_fp8=True, page_rows=params["page_rows"])
+        # The folded slices multiply each sequence's packed rows: a tile for fewer rows would read the
+        # whole cache once per tile.
+        kw = retiled(kw, qf.shape, k.shape)
         return unfold(*fa4_kvcache_p.bind(*_join(qf, k, v, seqlens, page_table, cu_q, sf, ks, vs), **kw)), (0, 0)
     if ds is not None or ragged or scales_mapped:
         # (A ragged batch whose cache or offsets differ per slice: a sequential map over the slices.)

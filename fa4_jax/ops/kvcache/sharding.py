@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec
 
 from fa4_jax.core.partitioning import axes_of, head_plan, heads_factor, is_masked, named_shardings, sharding_rule
 from fa4_jax.core.partitioning import slice_kv_heads, spec_entries, spec_entry
+from fa4_jax.ops.kvcache.spec import PAGE_ROWS, retiled
 
 def _tail_length(params: dict, s_q: int) -> int:
     """T: how many of a row's last keys some query cannot see (the tail; 0 = every key is body)."""
@@ -182,8 +183,10 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
         scales = ()  # FP8 caches: (k_scale, v_scale), the last operands, sliced with the KV heads
         if params["kv_fp8"]:
             rest, scales = rest[:-2], slice_kv_heads(q_axes, kv_slice, *rest[-2:], axis=0)
+        # A shard's packed rows per KV head (fewer where kv_slice gives it one KV head of a group).
+        own = retiled(params, q.shape, k.shape)
         if not cp_axes:
-            return bind(q, k, v, lens, *rest, *scales, **params)
+            return bind(q, k, v, lens, *rest, *scales, **own)
         axis = spec_entry(cp_axes)
         sinks = rest[-1] if params["has_sinks"] else None
         table = rest[0] if paged else None
@@ -193,7 +196,7 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
         tail = _tail_length(params, q.shape[1])
         parts = []
         if params["window_left"] < 0:  # the body [0, len - tail): every query sees all of it
-            body = dict(params, has_sinks=False, window_left=-1, window_right=-1)
+            body = dict(own, has_sinks=False, window_left=-1, window_right=-1)
             body_lens = lens - jnp.minimum(lens, tail)
             if paged:
                 local_table, local = _local_pages(table, body_lens, shard * k.shape[0], k.shape[0], k.shape[1])
@@ -205,9 +208,10 @@ def _kvcache_partition(bind, params: dict, mesh, arg_shapes):
         if tail:  # the tail, with the call's own mask (it ends at len, so bottom-right alignment holds)
             tk, tv = _gather_tail(k, v, lens, table, tail, shard, axis)
             tail_lens = jnp.minimum(lens, tail).astype(jnp.int32)
+            flat = retiled(dict(own, paged=False, page_rows=PAGE_ROWS), q.shape, tk.shape)  # gathered: contiguous
             if not parts:  # a left window: the tail is every visible key, the result itself
-                return bind(q, tk, tv, tail_lens, *rest[1 if paged else 0:], *scales, **dict(params, paged=False))
-            o, lse = bind(q, tk, tv, tail_lens, *scales, **dict(params, paged=False, has_sinks=False))
+                return bind(q, tk, tv, tail_lens, *rest[1 if paged else 0:], *scales, **flat)
+            o, lse = bind(q, tk, tv, tail_lens, *scales, **dict(flat, has_sinks=False))
             parts.append((o[None], lse[None]))
         return merge_partials(jnp.concatenate([o for o, _ in parts]), jnp.concatenate([lse for _, lse in parts]),
                               sinks)

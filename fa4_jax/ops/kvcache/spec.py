@@ -48,7 +48,8 @@ def kernel_mask(window_left: int, window_right: int) -> str:
 TILE_MS = (64, 128)
 TILE_M = TILE_MS[0]
 # FP8 caches' decode tile (kernels/decode_fp8_sm90.py): 16 packed rows on warp mmas with K and V as
-# register operands, for sequences of at most 16 packed rows; longer ones take the 64-row tile.
+# register operands, for sequences of at most 16 packed rows; longer ones take the 64- or 128-row tile
+# (FP8_TILE_MS, tile_m_for).
 FP8_DECODE_TILE_M = 16
 # Keys per split granule: the Python lowering sizes the split workspace and ffi/kvcache.cc picks
 # num_splits in these units.
@@ -79,6 +80,20 @@ def tile_m_for(rows: int, kv_fp8: bool = False, page_rows: int = PAGE_ROWS) -> i
             return FP8_DECODE_TILE_M
         return TILE_MS[1] if rows > TILE_M and page_rows in FP8_WIDE_PAGE_ROWS else TILE_M
     return TILE_MS[0] if rows <= TILE_MS[0] else TILE_MS[1]
+
+
+def retiled(params: dict, q_shape, k_shape) -> dict:
+    """params with the query tile picked again (tile_m_for) for a call of these shapes -- q
+    (batch, s_q, heads_q, d) (ragged: (1, total_q, ...), rows from max_seqlen_q), k (..., heads_kv, d) --
+    where a rule changed the packed rows per KV head after the lowering picked it: vmap folding slices
+    into the heads, or head sharding that leaves a shard fewer q-heads per KV head. Unchanged where the
+    rows are not a static count."""
+    rows = params["max_seqlen_q"] if params["ragged"] else q_shape[1]
+    if not (isinstance(rows, int) and rows > 0 and isinstance(q_shape[2], int) and isinstance(k_shape[2], int)):
+        return params
+    page_rows = params["page_rows"] if params["paged"] else PAGE_ROWS
+    packed = rows * max(q_shape[2] // max(k_shape[2], 1), 1)
+    return dict(params, tile_m=tile_m_for(packed, params["kv_fp8"], page_rows))
 
 
 def auto_split_capacity(batch: int, heads_kv: int, rows: int, keys: int) -> int:
@@ -202,7 +217,7 @@ class CombineVariant(Variant):
     """The split combine (kernels/combine.py) a KV-cache variant launches when its splits were not
     merged by their last CTA: it reads only the float32 partials and writes o / lse, so it depends on
     the architecture, o's dtype and head_dim alone -- 20 objects instead of a copy in each of the
-    family's 264 (0.8 s of each one's compile, BUILD.md "Build time")."""
+    family's 304 (0.8 s of each one's compile, BUILD.md "Build time")."""
 
     FAMILY_PREFIX = "fa4_combine"
 
