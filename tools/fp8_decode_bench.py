@@ -79,6 +79,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def _timed(progs: dict, rounds: int, tp: dict, per_call: int = 1):
+    """µs per call of each {name: (f, args)}, rounds interleaved; returns (every round's times, the bf16
+    minimum (nan without it), the fp8 minimum)."""
+    times = {name: [] for name in progs}
+    for _ in range(rounds):
+        for name, (f, a) in progs.items():
+            times[name].append(time_per_call(f, [a], **tp) / per_call * 1e6)
+    return times, min(times.get("bf16", [float("nan")])), min(times["fp8"])
+
+
 def decode_rows(args, tp, k_scale, v_scale) -> list:
     print(f"\nDecode device time, us per call ({LOOP} dependent calls, unrolled; min of {args.rounds} rounds); "
           f"heads {H_Q}/{H_KV}, d {D}, q bf16")
@@ -113,11 +123,7 @@ def decode_rows(args, tp, k_scale, v_scale) -> list:
                 continue
             progs = {"fp8": (looped(step8), a8)} if args.fp8_only else {"bf16": (looped(step16), a16),
                                                                          "fp8": (looped(step8), a8)}
-            times = {n: [] for n in progs}
-            for _ in range(args.rounds):
-                for n, (f, a) in progs.items():
-                    times[n].append(time_per_call(f, [a], **tp) / LOOP * 1e6)
-            t16, t8 = min(times.get("bf16", [float("nan")])), min(times["fp8"])
+            times, t16, t8 = _timed(progs, args.rounds, tp, LOOP)
             elems = 2 * b * s * H_KV * D
             print(f"{b:>5} x {s:>6} {ps or '-':>5} {t16:8.1f} {elems * 2 / t16 / 1e6:5.2f} {t8:8.1f} "
                   f"{elems / t8 / 1e6:5.2f} {t16 / t8:7.2f} {err:8.1e}"
@@ -174,11 +180,7 @@ def chunk_rows(args, tp, k_scale, v_scale) -> list:
             results.append(dict(chunks=label, head_dim=hd, fp8="WRONG", err=err))
             continue
         progs = {"fp8": (f8, a8)} if args.fp8_only else {"bf16": (f16, a16), "fp8": (f8, a8)}
-        times = {name: [] for name in progs}
-        for _ in range(args.rounds):
-            for name, (f, a) in progs.items():
-                times[name].append(time_per_call(f, [a], **tp) * 1e6)
-        t16, t8 = min(times.get("bf16", [float("nan")])), min(times["fp8"])
+        times, t16, t8 = _timed(progs, args.rounds, tp)
         # Causal chunk at the end of its context: query i sees ctx + i + 1 keys.
         flops = sum(4 * hd * H_Q * (CHUNK * c + CHUNK * (CHUNK + 1) / 2) for c in ctx)
         print(f"{label:>36} {hd:>3} {t16:8.1f} {flops / t16 / 1e6:7.1f} {t8:8.1f} {flops / t8 / 1e6:7.1f} "

@@ -72,9 +72,9 @@ def attention_with_kvcache(q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike,
         serve every call at head_dim 64 and 128 (decode, prefill chunks, ragged batches), contiguous
         and paged, with every mask, softcap and sinks: they widen FP8 to fp16 (in registers for up to
         16 packed rows per sequence, in shared memory for longer ones) and compute with q * k_scale in
-        fp16 (scaled per tile into fp16's range). A symbolic query count takes the chunk tile. Other FP8 calls (other head dims or GPUs) run the exact reference on the
-        dequantized (float32) cache (implementation None or "xla"; "fa4" says when it has no kernel;
-        cuDNN has no FP8 path).
+        fp16 (scaled per tile into fp16's range); a symbolic query count takes the chunk tile. Other
+        FP8 calls (other head dims or GPUs) run the exact reference on the dequantized (float32) cache
+        (implementation None or "xla"; "fa4" says when it has no kernel; cuDNN has no FP8 path).
       implementation: None, "fa4", "cudnn" or "xla" as for `fa4_jax.attention` (kernels at every
         head_dim). cuDNN (None on a GPU without our kernels, or "cudnn") serves contiguous caches without
         softcap or sinks, and a causal mask or window only when seqlen_q == 1 (no left window).

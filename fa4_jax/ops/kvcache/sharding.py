@@ -34,6 +34,7 @@ from fa4_jax.core.partitioning import axes_of, head_plan, heads_factor, is_maske
 from fa4_jax.core.partitioning import slice_kv_heads, spec_entries, spec_entry
 from fa4_jax.ops.kvcache.spec import PAGE_ROWS, retiled
 
+
 def _tail_length(params: dict, s_q: int) -> int:
     """T: how many of a row's last keys some query cannot see (the tail; 0 = every key is body)."""
     left, right = params["window_left"], params["window_right"]
