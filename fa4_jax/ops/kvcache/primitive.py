@@ -29,8 +29,7 @@ from fa4_jax.ops.kvcache import sharding
 from fa4_jax.ops.kvcache.quant import dequantize, is_fp8
 from fa4_jax.ops.kvcache.reference import attention_with_kvcache_reference, packed_cache
 from fa4_jax.ops.varlen.reference import attention_varlen_reference
-from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, PAGE_ROWS, SPLIT_BLOCK_KEYS, auto_split_capacity
-from fa4_jax.ops.kvcache.spec import retiled
+from fa4_jax.ops.kvcache.spec import KVCACHE, MAX_SPLITS, PAGE_ROWS, SPLIT_BLOCK_KEYS, auto_split_capacity, retiled
 from fa4_jax.ops.kvcache.tiles import ragged_tile_list
 
 OPERANDS = OperandLayout(KVCACHE, {"page_table": "paged", "cu_seqlens_q": "ragged", "sinks": "has_sinks",
