@@ -106,6 +106,16 @@ def test_abi_change_changes_fingerprint(kernels):
     assert cache.fingerprint("v", FAM_A, digest, "x") != cache.fingerprint("v", other, digest, "x")
 
 
+@pytest.mark.parametrize("env", ["FA4_JAX_PHASE_TIMES", "FA4_JAX_FP8_LOADER_WIDENS"])
+def test_build_switches_change_the_fingerprint(monkeypatch, env):
+    # These switches compile other code from the same sources: a cached object must not serve both.
+    digest = cache.kernel_sources_digest(FAM_A)
+    monkeypatch.delenv(env, raising=False)
+    off = cache.fingerprint("v", FAM_A, digest, "x")
+    monkeypatch.setenv(env, "1")
+    assert cache.fingerprint("v", FAM_A, digest, "x") != off
+
+
 def test_real_families_import_their_entry_and_not_the_others():
     from fa4_jax.families import FAMILIES
 

@@ -128,8 +128,10 @@ def fingerprint(variant, family, sources_digest: str, dsl_version: str) -> str:
     key = json.dumps(
         {"variant": repr(variant), "abi": family_abi_digest(family), "kernels": sources_digest,
          "cutlass_dsl": dsl_version,
-         # Diagnostic builds compile other code from the same sources (kernels/phase_times.py).
-         "phase_times": os.environ.get("FA4_JAX_PHASE_TIMES", "")},
+         # Diagnostic and experiment builds compile other code from the same sources
+         # (kernels/phase_times.py, kernels/config.FP8_LOADER_WIDENS).
+         "phase_times": os.environ.get("FA4_JAX_PHASE_TIMES", ""),
+         "fp8_loader_widens": os.environ.get("FA4_JAX_FP8_LOADER_WIDENS", "")},
         sort_keys=True,
     )
     return hashlib.sha256(key.encode()).hexdigest()

@@ -7,6 +7,7 @@ accumulator and P (as the register A operand of the PV wgmma) must fit in the co
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
@@ -52,6 +53,11 @@ class Sm90FwdConfig:
     # consumer warpgroups: both read every widened block, so no warpgroup can widen one for the other
     # between its own gemms).
     producer_widens_k: bool = False
+    # ... and the loads' warp widens a share too (four widening warps, one per SM sub-partition): it
+    # issues each FP8 stage's next load as soon as the four have widened the block in it
+    # (fwd_sm90.load_and_widen). KV-cache launches run one tile per CTA, so nothing is lost by not
+    # loading the next tile's blocks under this one's. Off until measured (FP8_LOADER_WIDENS).
+    loader_widens: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
     # binary measured), shared memory for one.
@@ -70,13 +76,15 @@ class Sm90FwdConfig:
                 raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
         elif self.producer_widens_k and not self.producer_widens_v:
             raise ValueError("producer_widens_k: the producer widens V too")
+        elif self.loader_widens and not self.producer_widens_k:
+            raise ValueError("loader_widens: the producer widens K and V (producer_widens_k)")
         elif self.producer_widens_k:
             from fa4_jax.kernels import fp8_widen_layout as wl
 
             # fwd_sm90.widen_rows skips a warp's round only when it starts past the block: every warp's
             # rounds must end exactly at tile_n (else the last warp would write into the next stage).
             if not (self.head_dim in wl.HEAD_DIMS and self.tile_n % wl.ROUND_ROWS == 0
-                    and wl.rows_per_warp(self.tile_n, wl.WARPS) % wl.ROUND_ROWS == 0):
+                    and wl.rows_per_warp(self.tile_n, self.kv_widen_warps) % wl.ROUND_ROWS == 0):
                 raise ValueError(f"producer_widens_k: head_dim in {wl.HEAD_DIMS} and whole "
                                  f"{wl.ROUND_ROWS}-row rounds per widening warp; got {self.head_dim=}, {self.tile_n=}")
         elif self.tile_m % 64:
@@ -98,6 +106,14 @@ class Sm90FwdConfig:
         """Shared memory one CTA may use with ctas_per_sm of them resident: the SM's 228 KB less 1 KB
         reserved per CTA, shared out (227 KB for one CTA, 113 KB each for two)."""
         return SM90_SMEM_PER_SM // self.ctas_per_sm - 1024
+
+    @property
+    def kv_widen_warps(self) -> int:
+        """Producer warps that widen K and V blocks (producer_widens_k): three beside the loads' warp,
+        four with loader_widens."""
+        from fa4_jax.kernels import fp8_widen_layout as wl
+
+        return wl.WARPS + 1 if self.loader_widens else wl.WARPS
 
     @property
     def launch_ctas(self) -> int:
@@ -161,6 +177,13 @@ class Sm90FwdConfig:
         if hd <= 192:
             return cls(hd, 128, 112, 2, 240, 24, True, False)
         return cls(hd, 128, 80, 2, 240, 24, True, False)
+
+
+# The FP8 chunk tile's fourth widening warp (Sm90FwdConfig.loader_widens): compiled and checked on the
+# CPU (tests/test_sass.py), not yet measured on a GPU, so off in the shipped library. A build with
+# FA4_JAX_FP8_LOADER_WIDENS=1 turns it on (the exporter's object cache keys on it): an A/B of two
+# libraries (tools/ab_kernels.py) and the GPU tests decide whether it becomes the default.
+FP8_LOADER_WIDENS = os.environ.get("FA4_JAX_FP8_LOADER_WIDENS", "") == "1"
 
 
 def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8: bool = False,
@@ -245,11 +268,16 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         if not producer_widens:
             raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
         producer_regs, consumer_regs = 40, 232
+        if FP8_LOADER_WIDENS:
+            # The loads' warp widens as well: its loop holds both the loads' cursors and a widening
+            # round's 8 loads (at 40 the paged tile spilled 24 bytes). 2 x 224 + 56 fills the launch.
+            producer_regs, consumer_regs = 56, 224
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
-                             producer_widens_v=producer_widens, producer_widens_k=widens_k)
+                             producer_widens_v=producer_widens, producer_widens_k=widens_k,
+                             loader_widens=widens_k and FP8_LOADER_WIDENS)
 
     return _most_stages(config, max_stages)
 

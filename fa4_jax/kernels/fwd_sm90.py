@@ -87,7 +87,8 @@ from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, sts_b32x4
 # FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
 WIDEN_WARPS = (1, 2)
 # ... and with cfg.producer_widens_k, K and V blocks: all three warps beside the loads' (each on its own
-# SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening).
+# SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening);
+# with cfg.loader_widens the loads' warp 0 as well (load_and_widen).
 WIDEN_WARPS_KV = tuple(range(1, 1 + wl.WARPS))
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
@@ -109,7 +110,8 @@ class FlashAttentionForwardSm90:
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
-        self.widen_warps = WIDEN_WARPS_KV if cfg.producer_widens_k else WIDEN_WARPS
+        self.widen_warps = WIDEN_WARPS if not cfg.producer_widens_k \
+            else (0, *WIDEN_WARPS_KV) if cfg.loader_widens else WIDEN_WARPS_KV
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -628,8 +630,12 @@ class FlashAttentionForwardSm90:
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
             elif warp_idx == 0:
-                self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
+                if const_expr(cfg.loader_widens):  # the loads, and a widening warp's share of each block
+                    self.load_and_widen(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
+                                        pipe_k16, pipe_v16, fp8, scheduler, problem, kv_len)
+                else:
+                    self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                              pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
             elif const_expr(cfg.producer_widens_v):
                 if warp_idx <= self.widen_warps[-1]:
                     self.widen_kv(pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler, problem)
@@ -739,10 +745,8 @@ class FlashAttentionForwardSm90:
         else:
             has_work = n_block_max > n_block_min
         if has_work:
-            head_kv = work.head // heads_per_kv
-            kv = KVLoader.create(cfg, self.seams.kv_load is KVLoad.PAGED, mK, mV, mPageTable, sK, sV, tma_atom_K,
-                                 tma_atom_V, head_kv, work.batch, seqlen.offset_k, varlen, kv_len, self.page_rows,
-                                 cute.arch.thread_idx()[0] % 128)
+            kv = self.kv_loader(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, work.head // heads_per_kv,
+                                work.batch, seqlen, varlen, kv_len)
             if const_expr(self.seams.q_load is QLoad.TMA):
                 gQ = cute.local_tile(sequence_rows(mQ, work.head, work.batch, seqlen.offset_q, varlen),
                                      (cfg.tile_m, cfg.head_dim), (work.m_block, 0))
@@ -755,6 +759,100 @@ class FlashAttentionForwardSm90:
                 state, q_state = self.load_blocks(kv.k, kv.v, None, None, None, pipe_k, pipe_v, state,
                                                   n_block_min, n_block_max, kv.lookup if const_expr(kv.paged) else None)
         return state, q_state
+
+    def kv_loader(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, head_kv, batch, seqlen, varlen: bool,
+                  kv_len) -> KVLoader:
+        """The K/V copies of one tile's (KV head, sequence) (loaders.KVLoader)."""
+        return KVLoader.create(self.cfg, self.seams.kv_load is KVLoad.PAGED, mK, mV, mPageTable, sK, sV, tma_atom_K,
+                               tma_atom_V, head_kv, batch, seqlen.offset_k, varlen, kv_len, self.page_rows,
+                               cute.arch.thread_idx()[0] % 128)
+
+    @cute.jit
+    def load_and_widen(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v, pipe_k16, pipe_v16,
+                       fp8, scheduler: StaticPersistentTileScheduler, problem: TileProblem, kv_len):
+        """cfg.loader_widens (the FP8 chunk tile), warp 0: the K/V loads of load(), and the first of
+        the four widening warps' shares of every block (widen_kv's, rows [0, R)). Each tensor's
+        loads run `stages` blocks ahead: a tile's first `stages` K and V blocks up front, in the
+        consumers' order (K of the highest block, then K_{j-1} before V_j), then each FP8 stage
+        refilled as soon as this warp has widened the block in it -- the refill's producer_acquire
+        waits for the other three warps to release the stage, as they do when they finish the same
+        block, so the loads go out when load() would issue them, once this warp's share is done.
+        No deadlock: the three wait only for loads issued `stages` blocks earlier and for fp16
+        stages the consumers free, which need nothing this warp has not yet done. What is lost
+        against load(): the next tile's blocks no longer stream in under the current tile's last
+        ones, which KV-cache launches (one tile per CTA) never had. Pack-GQA: no Q to load."""
+        cfg = self.cfg
+        tidx = cute.arch.thread_idx()[0]  # warp 0 is widening warp 0
+        load_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        load_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        k16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        v16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        offs = self.widen_offsets(tidx)
+        k_addrs, v_addrs = (fp8.addrs[0], fp8.addrs[2]), (fp8.addrs[1], fp8.addrs[3])
+        self.stamps.begin_producer()
+        tile_idx, num_tiles = scheduler.first(), scheduler.total
+        while tile_idx < num_tiles:
+            work = scheduler.tile(tile_idx)
+            if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
+                seqlen = problem.seqlen(work.batch)
+                blocks = problem.blocks(seqlen)
+                n_block_min, n_block_max = problem.n_block_range(blocks, work)
+                if problem.has_rows(work, seqlen) and n_block_max > n_block_min:
+                    kv = self.kv_loader(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, work.head, work.batch,
+                                        seqlen, False, kv_len)
+                    # Each tensor's next load: its block (loads go highest first; none below
+                    # n_block_min) and that block's page lookup, issued a load ahead (load_blocks).
+                    k_next = n_block_max - 1
+                    k_page, k_within = kv.lookup(k_next)
+                    v_next, v_page, v_within = k_next, k_page, k_within
+                    for a in cutlass.range_constexpr(cfg.stages):
+                        if k_next >= n_block_min:
+                            load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup,
+                                                                                k_next, k_page, k_within)
+                        if const_expr(a > 0):  # V_j after K_{j-1}
+                            if v_next >= n_block_min:
+                                load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup,
+                                                                                    v_next, v_page, v_within)
+                    if v_next >= n_block_min:
+                        load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup, v_next,
+                                                                            v_page, v_within)
+                    # K of the highest block, then K_{j-1} before V_j (widen_kv's order), each stage
+                    # refilled once widened.
+                    k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state, fp8.sK16,
+                                                          tidx, offs, k_addrs)
+                    if k_next >= n_block_min:
+                        load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup, k_next,
+                                                                            k_page, k_within)
+                    for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                        n_block = n_block_max - 1 - i
+                        if n_block > n_block_min:
+                            k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state,
+                                                                  fp8.sK16, tidx, offs, k_addrs)
+                            if k_next >= n_block_min:
+                                load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup,
+                                                                                    k_next, k_page, k_within)
+                        v8_state, v16_state = self._widen_one(pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state,
+                                                              fp8.sV16, tidx, offs, v_addrs,
+                                                              seqlen.seqlen_k - n_block * cfg.tile_n)
+                        if v_next >= n_block_min:
+                            load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup,
+                                                                                v_next, v_page, v_within)
+            tile_idx = scheduler.next(tile_idx)
+        self.stamps.end_producer()
+
+    @cute.jit
+    def _load_ahead(self, pipe, state, copy, lookup, n_block, page, within):
+        """load_and_widen's step: block n_block of one tensor into the stage `state` names, once free
+        (copy: KVLoader.k / .v; (page, within): lookup(n_block)), then the next block's lookup.
+        Returns (state advanced, n_block - 1, its page, its position in the page)."""
+        pipe.producer_acquire(state)
+        copy(n_block, state.index, pipe.producer_get_barrier(state), page, within)
+        pipe.producer_commit(state)
+        state.advance()
+        page, within = lookup(n_block - 1)
+        return state, n_block - 1, page, within
 
     @cute.jit
     def widen_kv(self, pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler,
