@@ -43,135 +43,54 @@ constexpr int kSmemBytes = 160 * 1024;  // more than half an SM: one CTA per SM
     }                                                                                   \
   } while (0)
 
-// Each operation: its name, the SASS opcode it should compile to (tests/test_pipe_rates.py checks),
-// how many values one instruction produces, and apply(r): one instruction on r, in place.
-// Packed operations keep their 32-bit result; those with a 16-bit input take its low half.
-struct Ex2 {  // the softmax's exponential
-  static constexpr const char* name = "ex2.approx.ftz.f32";
-  static constexpr const char* sass = "MUFU.EX2";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) { asm volatile("ex2.approx.ftz.f32 %0, %0;" : "+r"(r)); }
-};
-struct Tanh {  // softcap's tanh
-  static constexpr const char* name = "tanh.approx.f32";
-  static constexpr const char* sass = "MUFU.TANH";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) { asm volatile("tanh.approx.f32 %0, %0;" : "+r"(r)); }
-};
-struct TanhF16x2 {
-  static constexpr const char* name = "tanh.approx.f16x2";
-  static constexpr const char* sass = "MUFU.TANH.F16";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) { asm volatile("tanh.approx.f16x2 %0, %0;" : "+r"(r)); }
-};
-struct TanhBf16x2 {
-  static constexpr const char* name = "tanh.approx.bf16x2";
-  static constexpr const char* sass = "MUFU.TANH.BF16";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) { asm volatile("tanh.approx.bf16x2 %0, %0;" : "+r"(r)); }
-};
-struct Ex2F16x2 {
-  static constexpr const char* name = "ex2.approx.f16x2";
-  static constexpr const char* sass = "MUFU.EX2.F16";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) { asm volatile("ex2.approx.f16x2 %0, %0;" : "+r"(r)); }
-};
-struct Ex2Bf16x2 {
-  static constexpr const char* name = "ex2.approx.ftz.bf16x2";
-  static constexpr const char* sass = "MUFU.EX2.BF16";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) { asm volatile("ex2.approx.ftz.bf16x2 %0, %0;" : "+r"(r)); }
-};
-struct E4m3x2ToF16x2 {  // the FP8 widening's conversion
-  static constexpr const char* name = "cvt.rn.f16x2.e4m3x2";
-  static constexpr const char* sass = "F2FP.F16.E4M3.UNPACK_B";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %0; cvt.rn.f16x2.e4m3x2 %0, lo;}" : "+r"(r));
-  }
-};
-struct F32x2ToBf16x2 {  // the consumers' packing of P (bf16 q)
-  static constexpr const char* name = "cvt.rn.bf16x2.f32";
-  static constexpr const char* sass = "F2FP.BF16.F32.PACK_AB";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("{.reg .f32 f; mov.b32 f, %0; cvt.rn.bf16x2.f32 %0, f, f;}" : "+r"(r));
-  }
-};
-struct F32x2ToF16x2 {  // ... (fp16 q, and f16x2 MUFU operands)
-  static constexpr const char* name = "cvt.rn.f16x2.f32";
-  static constexpr const char* sass = "F2FP.F16.F32.PACK_AB";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("{.reg .f32 f; mov.b32 f, %0; cvt.rn.f16x2.f32 %0, f, f;}" : "+r"(r));
-  }
-};
-struct F16ToF32 {  // unpacking an f16x2 result for fp32 arithmetic
-  static constexpr const char* name = "cvt.f32.f16";
-  static constexpr const char* sass = "HADD2.F32";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("{.reg .b16 lo, hi; .reg .f32 f; mov.b32 {lo, hi}, %0; cvt.f32.f16 f, lo; mov.b32 %0, f;}"
-                 : "+r"(r));
-  }
-};
-struct Ffma {
-  static constexpr const char* name = "fma.rn.f32";
-  static constexpr const char* sass = "FFMA";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("{.reg .f32 f; mov.b32 f, %0; fma.rn.f32 f, f, 0f3F7FF000, 0f3A800000; mov.b32 %0, f;}"
-                 : "+r"(r));
-  }
-};
-struct Hfma2 {  // e.g. scaling widened pairs by 2^8 on the FMA pipe
-  static constexpr const char* name = "fma.rn.f16x2";
-  static constexpr const char* sass = "HFMA2";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("{.reg .b32 a, b; mov.b32 a, 0x3BFF3BFF; mov.b32 b, 0x14001400; fma.rn.f16x2 %0, %0, a, b;}"
-                 : "+r"(r));
-  }
-};
-struct Prmt {  // byte moves of an integer e4m3 -> f16 conversion
-  static constexpr const char* name = "prmt.b32";
-  static constexpr const char* sass = "PRMT";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) { asm volatile("prmt.b32 %0, %0, 0x00C0FFEE, 0x5140;" : "+r"(r)); }
-};
-struct Lop3 {
-  static constexpr const char* name = "lop3.b32";
-  static constexpr const char* sass = "LOP3.LUT";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile("lop3.b32 %0, %0, 0x3F803F80, 0x80008000, 0xB8;" : "+r"(r));
-  }
-};
+// Each operation: a struct with its name, the SASS opcode it should compile to (tests/test_pipe_rates.py
+// checks), how many values one operation produces, and apply(r): the operation on r, in place (PTX
+// text with r as %0). Packed operations keep their 32-bit result; those with a 16-bit input take its
+// low half; those with f32 inputs read r's bits as one.
+#define OP(Struct, ptx_name, sass_opcode, n_values, ptx)                       \
+  struct Struct {                                                              \
+    static constexpr const char* name = ptx_name;                              \
+    static constexpr const char* sass = sass_opcode;                           \
+    static constexpr int values = n_values;                                    \
+    __device__ static void apply(uint32_t& r) { asm volatile(ptx : "+r"(r)); } \
+  };
+
+// The softmax's exponential and softcap's tanh, and their packed forms.
+OP(Ex2, "ex2.approx.ftz.f32", "MUFU.EX2", 1, "ex2.approx.ftz.f32 %0, %0;")
+OP(Tanh, "tanh.approx.f32", "MUFU.TANH", 1, "tanh.approx.f32 %0, %0;")
+OP(TanhF16x2, "tanh.approx.f16x2", "MUFU.TANH.F16", 2, "tanh.approx.f16x2 %0, %0;")
+OP(TanhBf16x2, "tanh.approx.bf16x2", "MUFU.TANH.BF16", 2, "tanh.approx.bf16x2 %0, %0;")
+OP(Ex2F16x2, "ex2.approx.f16x2", "MUFU.EX2.F16", 2, "ex2.approx.f16x2 %0, %0;")
+OP(Ex2Bf16x2, "ex2.approx.ftz.bf16x2", "MUFU.EX2.BF16", 2, "ex2.approx.ftz.bf16x2 %0, %0;")
+// The FP8 widening's conversion; the consumers' packing of P (bf16 q; fp16 q and f16x2 MUFU operands);
+// unpacking an f16 for fp32 arithmetic.
+OP(E4m3x2ToF16x2, "cvt.rn.f16x2.e4m3x2", "F2FP.F16.E4M3.UNPACK_B", 2,
+   "{.reg .b16 lo, hi; mov.b32 {lo, hi}, %0; cvt.rn.f16x2.e4m3x2 %0, lo;}")
+OP(F32x2ToBf16x2, "cvt.rn.bf16x2.f32", "F2FP.BF16.F32.PACK_AB", 2,
+   "{.reg .f32 f; mov.b32 f, %0; cvt.rn.bf16x2.f32 %0, f, f;}")
+OP(F32x2ToF16x2, "cvt.rn.f16x2.f32", "F2FP.F16.F32.PACK_AB", 2,
+   "{.reg .f32 f; mov.b32 f, %0; cvt.rn.f16x2.f32 %0, f, f;}")
+OP(F16ToF32, "cvt.f32.f16", "HADD2.F32", 1,
+   "{.reg .b16 lo, hi; .reg .f32 f; mov.b32 {lo, hi}, %0; cvt.f32.f16 f, lo; mov.b32 %0, f;}")
+// The FMA pipe (e.g. scaling widened pairs by 2^8 with HFMA2) and the integer ones.
+OP(Ffma, "fma.rn.f32", "FFMA", 1,
+   "{.reg .f32 f; mov.b32 f, %0; fma.rn.f32 f, f, 0f3F7FF000, 0f3A800000; mov.b32 %0, f;}")
+OP(Hfma2, "fma.rn.f16x2", "HFMA2", 2,
+   "{.reg .b32 a, b; mov.b32 a, 0x3BFF3BFF; mov.b32 b, 0x14001400; fma.rn.f16x2 %0, %0, a, b;}")
+OP(Prmt, "prmt.b32", "PRMT", 1, "prmt.b32 %0, %0, 0x00C0FFEE, 0x5140;")
+OP(Lop3, "lop3.b32", "LOP3.LUT", 1, "lop3.b32 %0, %0, 0x3F803F80, 0x80008000, 0xB8;")
+OP(Shf, "shf.r.wrap.b32", "SHF.R.W", 1, "shf.r.wrap.b32 %0, %0, %0, 7;")
 // e4m3 pair -> f16 pair on the integer pipes, each value times 2^-8 (a scale can take the 2^8 back):
 // an e4m3 byte's 7 magnitude bits shifted to bits 13..7 of an fp16 are that fp16's exponent (bias 15
 // instead of 7, hence 2^-8) and mantissa, subnormals included; the sign goes to bit 15. NaN (0x7F)
 // becomes 1.875, i.e. 480 * 2^-8 (tests/test_pipe_rates.py checks all 65536 pairs against this). Four
 // instructions per pair against F2FP's one: it pays only if F2FP issues at under a quarter of their rate.
-struct E4m3x2ToF16x2Int {
-  static constexpr const char* name = "e4m3x2 -> f16x2 by prmt/shr/and/add";
-  static constexpr const char* sass = "PRMT";
-  static constexpr int values = 2;
-  __device__ static void apply(uint32_t& r) {
-    asm volatile(
-        "{.reg .b32 x, y, t;\n"
-        " prmt.b32 x, %0, 0, 0x1404;\n"   // byte 1 = b0, byte 3 = b1, bytes 0 and 2 zero
-        " shr.b32 y, x, 1;\n"             // each byte's bits to 14..7 (sign at 14)
-        " and.b32 t, y, 0x40004000;\n"    // the signs ...
-        " add.u32 %0, y, t;}"             // ... carried from bit 14 to 15 (bit 15 of y is zero)
-        : "+r"(r));
-  }
-};
-struct Shf {
-  static constexpr const char* name = "shf.r.wrap.b32";
-  static constexpr const char* sass = "SHF.R.W";
-  static constexpr int values = 1;
-  __device__ static void apply(uint32_t& r) { asm volatile("shf.r.wrap.b32 %0, %0, %0, 7;" : "+r"(r)); }
-};
+OP(E4m3x2ToF16x2Int, "e4m3x2 -> f16x2 by prmt/shr/and/add", "PRMT", 2,
+   "{.reg .b32 x, y, t;\n"
+   " prmt.b32 x, %0, 0, 0x1404;\n"  // byte 1 = b0, byte 3 = b1, bytes 0 and 2 zero
+   " shr.b32 y, x, 1;\n"            // each byte's bits to 14..7 (sign at 14)
+   " and.b32 t, y, 0x40004000;\n"   // the signs ...
+   " add.u32 %0, y, t;}")           // ... carried from bit 14 to 15 (bit 15 of y is zero)
 
 // Two operations, alternating by chain: if their pipes differ, a pair costs about what the slower one
 // does alone; if they share one, the sum.
