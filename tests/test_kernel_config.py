@@ -64,11 +64,14 @@ def test_fp8_decode_runs_two_ctas_per_sm(hd, stages, rows1_stages, paged):
 
 @pytest.mark.parametrize("hd,stages", [(64, 4), (128, 2)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(hd, stages, paged):
+def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(monkeypatch, hd, stages, paged):
     """The FP8 chunk tile (two consumer warpgroups, ping-pong, one CTA per SM): both warpgroups read
     every block, so the producer widens K and V into two fp16 rings of `stages` (as many as fit beside
     the FP8 stages and Q: hd128 fills all but a KB of the 227); 2 x 232 + 40 registers fill the
     launch's 168 x 384. One-row pages (no producer warps to spare) have no such tile."""
+    from fa4_jax.kernels import config as config_mod
+
+    monkeypatch.setattr(config_mod, "FP8_LOADER_WIDENS", False)  # the shipped tile, whatever the environment
     cfg = kvcache_config(hd, 128, paged, True, 16)
     assert (cfg.producer_widens_k, cfg.producer_widens_v, cfg.ctas_per_sm, cfg.warpgroup_pingpong) == \
         (True, True, 1, True)
@@ -89,22 +92,25 @@ def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(hd, stages, paged):
     # The shipped tile widens with three warps; the loads' warp widening too is a build switch until
     # measured on a GPU.
     assert (cfg.loader_widens, cfg.kv_widen_warps) == (False, 3)
-    with pytest.raises(ValueError, match=r"loader_widens: the producer widens K and V \(producer_widens_k\)"):
-        replace(kvcache_config(hd, 64, paged, True, 16), loader_widens=True)
+    for other in (kvcache_config(hd, 64, paged, True, 16), kvcache_config(hd, 16, paged, True, 16)):
+        with pytest.raises(ValueError, match=r"loader_widens: the producer widens K and V \(producer_widens_k\)"):
+            replace(other, loader_widens=True)
 
 
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp8_loader_widens_switch(monkeypatch, hd, paged):
     """FA4_JAX_FP8_LOADER_WIDENS=1 (config.FP8_LOADER_WIDENS): the chunk tile's loads' warp widens a
-    quarter of each block too, four warps of 32 rows; its loop needs 56 registers (the paged one spilled
-    24 bytes at 40), the consumers give 8 each: 2 x 224 + 56 still fills the launch's 3 x 168."""
+    quarter of each block too, four warps of 32 rows. The paged loop needs 56 registers (it spilled 24
+    bytes at 40), its consumers give 8 each: 2 x 224 + 56 still fills the launch's 3 x 168; the
+    contiguous loop fits the shipped 40 (so that an A/B measures the warp alone)."""
     from fa4_jax.kernels import config as config_mod
     from fa4_jax.kernels import fp8_widen_layout as wl
 
     monkeypatch.setattr(config_mod, "FP8_LOADER_WIDENS", True)
     cfg = kvcache_config(hd, 128, paged, True, 16)
-    assert (cfg.loader_widens, cfg.kv_widen_warps, cfg.consumer_regs, cfg.producer_regs) == (True, 4, 224, 56)
+    regs = (224, 56) if paged else (232, 40)
+    assert (cfg.loader_widens, cfg.kv_widen_warps, cfg.consumer_regs, cfg.producer_regs) == (True, 4, *regs)
     assert wl.rows_per_warp(cfg.tile_n, cfg.kv_widen_warps) == 32
     assert 2 * cfg.consumer_regs + cfg.producer_regs == 3 * 168
     # Only the chunk tile has the switch: the decode tiles are unchanged.

@@ -185,30 +185,33 @@ def test_hopper_variant_sass_is_wgmma(sm90_obj):
         assert sass.opcode_counts(text)["UTCHMMA"] == 0, name
 
 
-FP8_CHUNK_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local_paged_m128_kvfp8"
+FP8_CHUNK_PAGED = "fa4_kvcache_sm90_bf16_hd128_local_paged_m128_kvfp8"
+FP8_CHUNK_CONTIGUOUS = "fa4_kvcache_sm90_bf16_hd128_local_m128_kvfp8"
 
 
-@pytest.fixture(scope="module", params=["", "1"], ids=["three_widening_warps", "loader_widens"])
-def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, Path]:
-    return request.param, _compile_one(tmp_path_factory, FP8_CHUNK_SYMBOL, {"FA4_JAX_FP8_LOADER_WIDENS": request.param})
+@pytest.fixture(scope="module", params=[(FP8_CHUNK_PAGED, ""), (FP8_CHUNK_PAGED, "1"), (FP8_CHUNK_CONTIGUOUS, "1")],
+                ids=["paged", "paged_loader_widens", "contiguous_loader_widens"])
+def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, str, Path]:
+    symbol, switch = request.param
+    return symbol, switch, _compile_one(tmp_path_factory, symbol, {"FA4_JAX_FP8_LOADER_WIDENS": switch})
 
 
 def test_fp8_chunk_tile_widening_warps(fp8_chunk_obj):
-    """The FP8 chunk tile (paged, hd128) as shipped and with the build switch that has the loads' warp
-    widen too (config.FP8_LOADER_WIDENS, not yet measured on a GPU, so kept compiling here): no local
-    memory at the producer's budget (40, or 56 with the switch: at 40 its loop spilled 24 bytes), the
-    e4m3 -> fp16 conversions (F2FP...E4M3) in the code twice over with the switch (widen_kv's and
-    load_and_widen's copies of widen_rows), and the TMA loads in both builds."""
+    """The FP8 chunk tile (hd128) as shipped and with the build switch that has the loads' warp widen
+    too (config.FP8_LOADER_WIDENS, not yet measured on a GPU, so kept compiling here): no local memory
+    at the producer's budget (40; 56 for the switched paged tile, whose loop spilled 24 bytes at 40),
+    the e4m3 -> fp16 conversions (F2FP...E4M3) in the code twice over with the switch (widen_kv's and
+    load_and_widen's copies of widen_rows), and the TMA loads in every build."""
     from fa4_jax.aot.cubin import kernel_resources
 
-    switch, obj = fp8_chunk_obj
+    symbol, switch, obj = fp8_chunk_obj
     (text,) = [t for n, t in sass.kernel_sass(obj, _nvdisasm()).items() if "FlashAttentionForward" in n]
     ops = sass.opcode_counts(text)
     assert ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
     (res,) = [r for k, r in kernel_resources(obj).items() if "FlashAttentionForward" in k]
     assert res.get("frame", 0) == 0, res
     budgets = {int(m, 16) for m in re.findall(r"USETMAXREG\S*\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text)}
-    assert budgets == ({56, 224} if switch else {40, 232}), budgets
+    assert budgets == ({56, 224} if switch and symbol == FP8_CHUNK_PAGED else {40, 232}), budgets
     converts = len(re.findall(r"F2FP\.F16\.E4M3", text))
     # widen_rows inlined at three call sites per widening loop (K of the highest block, the other K
     # blocks, V): at hd128 a warp's R rows are R / 2 passes of 4 conversions. R = 48 of three warps,

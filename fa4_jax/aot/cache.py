@@ -131,7 +131,7 @@ def fingerprint(variant, family, sources_digest: str, dsl_version: str) -> str:
          # Diagnostic and experiment builds compile other code from the same sources
          # (kernels/phase_times.py, kernels/config.FP8_LOADER_WIDENS).
          "phase_times": os.environ.get("FA4_JAX_PHASE_TIMES", ""),
-         "fp8_loader_widens": os.environ.get("FA4_JAX_FP8_LOADER_WIDENS", "")},
+         "fp8_loader_widens": os.environ.get("FA4_JAX_FP8_LOADER_WIDENS", "") == "1"},
         sort_keys=True,
     )
     return hashlib.sha256(key.encode()).hexdigest()

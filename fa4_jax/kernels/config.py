@@ -68,6 +68,8 @@ class Sm90FwdConfig:
     fp8_decode: bool = False
 
     def __post_init__(self):
+        if self.loader_widens and not self.producer_widens_k:
+            raise ValueError("loader_widens: the producer widens K and V (producer_widens_k)")
         if self.fp8_decode:
             from fa4_jax.kernels import fp8_decode_layout as lay
 
@@ -76,8 +78,6 @@ class Sm90FwdConfig:
                 raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
         elif self.producer_widens_k and not self.producer_widens_v:
             raise ValueError("producer_widens_k: the producer widens V too")
-        elif self.loader_widens and not self.producer_widens_k:
-            raise ValueError("loader_widens: the producer widens K and V (producer_widens_k)")
         elif self.producer_widens_k:
             from fa4_jax.kernels import fp8_widen_layout as wl
 
@@ -268,9 +268,10 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         if not producer_widens:
             raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
         producer_regs, consumer_regs = 40, 232
-        if FP8_LOADER_WIDENS:
-            # The loads' warp widens as well: its loop holds both the loads' cursors and a widening
-            # round's 8 loads (at 40 the paged tile spilled 24 bytes). 2 x 224 + 56 fills the launch.
+        if FP8_LOADER_WIDENS and paged:
+            # The loads' warp widens as well: its loop holds both the loads' cursors (the paged ones
+            # with their page lookups) and a widening round's 8 loads: at 40 the paged tile spilled 24
+            # bytes, the contiguous one does not. 2 x 224 + 56 fills the launch.
             producer_regs, consumer_regs = 56, 224
 
     def config(stages: int) -> Sm90FwdConfig:

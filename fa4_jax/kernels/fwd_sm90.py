@@ -818,6 +818,7 @@ class FlashAttentionForwardSm90:
                     if v_next >= n_block_min:
                         load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup, v_next,
                                                                             v_page, v_within)
+                    self.stamps.producer_at(phase_times.FIRST_K_ISSUED)  # (with the rest of the first loads)
                     # K of the highest block, then K_{j-1} before V_j (widen_kv's order), each stage
                     # refilled once widened.
                     k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state, fp8.sK16,
