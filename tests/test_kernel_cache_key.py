@@ -106,14 +106,31 @@ def test_abi_change_changes_fingerprint(kernels):
     assert cache.fingerprint("v", FAM_A, digest, "x") != cache.fingerprint("v", other, digest, "x")
 
 
-@pytest.mark.parametrize("env", ["FA4_JAX_PHASE_TIMES", "FA4_JAX_FP8_LOADER_WIDENS"])
-def test_build_switches_change_the_fingerprint(monkeypatch, env):
+@pytest.mark.parametrize("env,value", [("FA4_JAX_PHASE_TIMES", "1"), ("FA4_JAX_EXPERIMENTS", "fp8_loader_widens"),
+                                       ("FA4_JAX_EXPERIMENTS", "fp8_unmasked_full_blocks")])
+def test_build_switches_change_the_fingerprint(monkeypatch, env, value):
     # These switches compile other code from the same sources: a cached object must not serve both.
     digest = cache.kernel_sources_digest(FAM_A)
     monkeypatch.delenv(env, raising=False)
     off = cache.fingerprint("v", FAM_A, digest, "x")
-    monkeypatch.setenv(env, "1")
+    monkeypatch.setenv(env, value)
     assert cache.fingerprint("v", FAM_A, digest, "x") != off
+
+
+def test_experiments_are_a_set_of_known_names(monkeypatch):
+    from fa4_jax.kernels import experiments
+
+    digest = cache.kernel_sources_digest(FAM_A)
+    monkeypatch.setenv("FA4_JAX_EXPERIMENTS", "fp8_unmasked_full_blocks, fp8_loader_widens")
+    both = cache.fingerprint("v", FAM_A, digest, "x")
+    assert experiments.active() == ("fp8_loader_widens", "fp8_unmasked_full_blocks")
+    monkeypatch.setenv("FA4_JAX_EXPERIMENTS", "fp8_loader_widens,fp8_unmasked_full_blocks,")
+    assert cache.fingerprint("v", FAM_A, digest, "x") == both  # order and spacing do not matter
+    monkeypatch.setenv("FA4_JAX_EXPERIMENTS", "fp8_loader_widen")
+    with pytest.raises(ValueError, match=r"FA4_JAX_EXPERIMENTS: unknown experiment\(s\) \['fp8_loader_widen'\]"):
+        experiments.active()
+    with pytest.raises(KeyError, match="not an experiment: 'nope'"):
+        experiments.enabled("nope")
 
 
 def test_real_families_import_their_entry_and_not_the_others():

@@ -69,9 +69,7 @@ def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(monkeypatch, hd, stages, 
     every block, so the producer widens K and V into two fp16 rings of `stages` (as many as fit beside
     the FP8 stages and Q: hd128 fills all but a KB of the 227); 2 x 232 + 40 registers fill the
     launch's 168 x 384. One-row pages (no producer warps to spare) have no such tile."""
-    from fa4_jax.kernels import config as config_mod
-
-    monkeypatch.setattr(config_mod, "FP8_LOADER_WIDENS", False)  # the shipped tile, whatever the environment
+    monkeypatch.delenv("FA4_JAX_EXPERIMENTS", raising=False)  # the shipped tile, whatever the environment
     cfg = kvcache_config(hd, 128, paged, True, 16)
     assert (cfg.producer_widens_k, cfg.producer_widens_v, cfg.ctas_per_sm, cfg.warpgroup_pingpong) == \
         (True, True, 1, True)
@@ -100,14 +98,13 @@ def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(monkeypatch, hd, stages, 
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("paged", [False, True])
 def test_fp8_loader_widens_switch(monkeypatch, hd, paged):
-    """FA4_JAX_FP8_LOADER_WIDENS=1 (config.FP8_LOADER_WIDENS): the chunk tile's loads' warp widens a
+    """FA4_JAX_EXPERIMENTS=fp8_loader_widens (kernels/experiments.py): the chunk tile's loads' warp widens a
     quarter of each block too, four warps of 32 rows. The paged loop needs 56 registers (it spilled 24
     bytes at 40), its consumers give 8 each: 2 x 224 + 56 still fills the launch's 3 x 168; the
     contiguous loop fits the shipped 40 (so that an A/B measures the warp alone)."""
-    from fa4_jax.kernels import config as config_mod
     from fa4_jax.kernels import fp8_widen_layout as wl
 
-    monkeypatch.setattr(config_mod, "FP8_LOADER_WIDENS", True)
+    monkeypatch.setenv("FA4_JAX_EXPERIMENTS", "fp8_loader_widens")
     cfg = kvcache_config(hd, 128, paged, True, 16)
     regs = (224, 56) if paged else (232, 40)
     assert (cfg.loader_widens, cfg.kv_widen_warps, cfg.consumer_regs, cfg.producer_regs) == (True, 4, *regs)

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from fa4_jax.kernels import experiments
+
 FINGERPRINT_FILE = "fa4_fingerprints.json"
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 KERNELS_PACKAGE = "fa4_jax.kernels"
@@ -129,9 +131,9 @@ def fingerprint(variant, family, sources_digest: str, dsl_version: str) -> str:
         {"variant": repr(variant), "abi": family_abi_digest(family), "kernels": sources_digest,
          "cutlass_dsl": dsl_version,
          # Diagnostic and experiment builds compile other code from the same sources
-         # (kernels/phase_times.py, kernels/config.FP8_LOADER_WIDENS).
+         # (kernels/phase_times.py, kernels/experiments.py).
          "phase_times": os.environ.get("FA4_JAX_PHASE_TIMES", ""),
-         "fp8_loader_widens": os.environ.get("FA4_JAX_FP8_LOADER_WIDENS", "") == "1"},
+         "experiments": list(experiments.active())},
         sort_keys=True,
     )
     return hashlib.sha256(key.encode()).hexdigest()

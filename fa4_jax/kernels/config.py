@@ -7,9 +7,9 @@ accumulator and P (as the register A operand of the PV wgmma) must fit in the co
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from fa4_jax.kernels import experiments
 from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
@@ -56,7 +56,7 @@ class Sm90FwdConfig:
     # ... and the loads' warp widens a share too (four widening warps, one per SM sub-partition): it
     # issues each FP8 stage's next load as soon as the four have widened the block in it
     # (fwd_sm90.load_and_widen). KV-cache launches run one tile per CTA, so nothing is lost by not
-    # loading the next tile's blocks under this one's. Off until measured (FP8_LOADER_WIDENS).
+    # loading the next tile's blocks under this one's. Off until measured (experiments.py).
     loader_widens: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
@@ -179,13 +179,6 @@ class Sm90FwdConfig:
         return cls(hd, 128, 80, 2, 240, 24, True, False)
 
 
-# The FP8 chunk tile's fourth widening warp (Sm90FwdConfig.loader_widens): compiled and checked on the
-# CPU (tests/test_sass.py), not yet measured on a GPU, so off in the shipped library. A build with
-# FA4_JAX_FP8_LOADER_WIDENS=1 turns it on (the exporter's object cache keys on it): an A/B of two
-# libraries (tools/ab_kernels.py) and the GPU tests decide whether it becomes the default.
-FP8_LOADER_WIDENS = os.environ.get("FA4_JAX_FP8_LOADER_WIDENS", "") == "1"
-
-
 def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8: bool = False,
                    page_rows: int = 16) -> Sm90FwdConfig:
     """KV-cache tiles: pack-GQA query rows (seqlen_q x q-heads per KV head) -- 64 (one consumer
@@ -260,6 +253,9 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         # CTAs per SM shared out exactly; at 200 its split merge spilled).
         producer_regs, consumer_regs = 40, 216
     widens_k = kv_fp8 and tile_m == 128
+    # The FP8 chunk tile's fourth widening warp (Sm90FwdConfig.loader_widens): compiled and checked on
+    # the CPU, not yet measured on a GPU, so a build-time experiment (experiments.py).
+    loader_widens = widens_k and experiments.enabled("fp8_loader_widens")
     if widens_k:
         # The FP8 chunk tile: both warpgroups read every block, so the producer widens K as well as V
         # (two fp16 rings; the FP8 stages are only the widening's source). 2 x 232 + 40 fills the
@@ -268,7 +264,7 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         if not producer_widens:
             raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
         producer_regs, consumer_regs = 40, 232
-        if FP8_LOADER_WIDENS and paged:
+        if loader_widens and paged:
             # The loads' warp widens as well: its loop holds both the loads' cursors (the paged ones
             # with their page lookups) and a widening round's 8 loads: at 40 the paged tile spilled 24
             # bytes, the contiguous one does not. 2 x 224 + 56 fills the launch.
@@ -278,7 +274,7 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
                              producer_widens_v=producer_widens, producer_widens_k=widens_k,
-                             loader_widens=widens_k and FP8_LOADER_WIDENS)
+                             loader_widens=loader_widens)
 
     return _most_stages(config, max_stages)
 

@@ -72,7 +72,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import phase_times
+from fa4_jax.kernels import experiments, phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -112,6 +112,12 @@ class FlashAttentionForwardSm90:
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
         self.widen_warps = WIDEN_WARPS if not cfg.producer_widens_k \
             else (0, *WIDEN_WARPS_KV) if cfg.loader_widens else WIDEN_WARPS_KV
+        # A build-time experiment (experiments.py): V blocks without a sequence end widen unmasked. The
+        # widening loops then run in two phases of (first block index, V rows masked): the highest block
+        # alone -- the only one that can hold the sequence's end, as n_block_max <= ceil(seqlen_k /
+        # tile_n) -- then the others without masks. Else one phase, every block masked.
+        self.unmasked_full_blocks = experiments.enabled("fp8_unmasked_full_blocks") and cfg.producer_widens_k
+        self.widen_phases = ((0, True), (1, False)) if self.unmasked_full_blocks else ((0, True),)
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -826,20 +832,23 @@ class FlashAttentionForwardSm90:
                     if k_next >= n_block_min:
                         load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup, k_next,
                                                                             k_page, k_within)
-                    for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-                        n_block = n_block_max - 1 - i
-                        if n_block > n_block_min:
-                            k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state,
-                                                                  fp8.sK16, tidx, offs, k_addrs)
-                            if k_next >= n_block_min:
-                                load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup,
-                                                                                    k_next, k_page, k_within)
-                        v8_state, v16_state = self._widen_one(pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state,
-                                                              fp8.sV16, tidx, offs, v_addrs,
-                                                              seqlen.seqlen_k - n_block * cfg.tile_n)
-                        if v_next >= n_block_min:
-                            load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup,
-                                                                                v_next, v_page, v_within)
+                    for p in cutlass.range_constexpr(len(self.widen_phases)):
+                        first, masked = self.widen_phases[p]
+                        for i in cutlass.range(first, 1 if const_expr(p + 1 < len(self.widen_phases))
+                                               else n_block_max - n_block_min, unroll=1):
+                            n_block = n_block_max - 1 - i
+                            if n_block > n_block_min:
+                                k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state,
+                                                                      fp8.sK16, tidx, offs, k_addrs)
+                                if k_next >= n_block_min:
+                                    load_k, k_next, k_page, k_within = self._load_ahead(
+                                        pipe_k, load_k, kv.k, kv.lookup, k_next, k_page, k_within)
+                            v8_state, v16_state = self._widen_one(
+                                pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state, fp8.sV16, tidx, offs, v_addrs,
+                                seqlen.seqlen_k - n_block * cfg.tile_n if masked else None)
+                            if v_next >= n_block_min:
+                                load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup,
+                                                                                    v_next, v_page, v_within)
             tile_idx = scheduler.next(tile_idx)
         self.stamps.end_producer()
 
@@ -884,20 +893,24 @@ class FlashAttentionForwardSm90:
                 blocks = problem.blocks(seqlen)
                 n_block_min, n_block_max = problem.n_block_range(blocks, work)
                 if problem.has_rows(work, seqlen) and n_block_max > n_block_min:
-                    for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-                        n_block = n_block_max - 1 - i
-                        if const_expr(cfg.producer_widens_k):
-                            if i == 0:  # K of the highest block
-                                k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
-                                                                      k16_state, fp8.sK16, tidx, offs,
-                                                                      (fp8.addrs[0], fp8.addrs[2]))
-                            if n_block > n_block_min:  # K_{j-1} before V_j
-                                k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
-                                                                      k16_state, fp8.sK16, tidx, offs,
-                                                                      (fp8.addrs[0], fp8.addrs[2]))
-                        v8_state, v16_state = self._widen_one(pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state,
-                                                              fp8.sV16, tidx, offs, (fp8.addrs[1], fp8.addrs[3]),
-                                                              seqlen.seqlen_k - n_block * cfg.tile_n)
+                    for p in cutlass.range_constexpr(len(self.widen_phases)):
+                        first, masked = self.widen_phases[p]
+                        for i in cutlass.range(first, 1 if const_expr(p + 1 < len(self.widen_phases))
+                                               else n_block_max - n_block_min, unroll=1):
+                            n_block = n_block_max - 1 - i
+                            if const_expr(cfg.producer_widens_k):
+                                if const_expr(p == 0):
+                                    if i == 0:  # K of the highest block
+                                        k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
+                                                                              k16_state, fp8.sK16, tidx, offs,
+                                                                              (fp8.addrs[0], fp8.addrs[2]))
+                                if n_block > n_block_min:  # K_{j-1} before V_j
+                                    k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16,
+                                                                          k16_state, fp8.sK16, tidx, offs,
+                                                                          (fp8.addrs[0], fp8.addrs[2]))
+                            v8_state, v16_state = self._widen_one(
+                                pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state, fp8.sV16, tidx, offs,
+                                (fp8.addrs[1], fp8.addrs[3]), seqlen.seqlen_k - n_block * cfg.tile_n if masked else None)
             tile_idx = scheduler.next(tile_idx)
 
     @cute.jit
@@ -1315,7 +1328,8 @@ class FlashAttentionForwardSm90:
         at a time (skipped past the block's end): its 8-byte loads, one per pass, then their
         conversions and 16-byte stores, at offs' per-lane registers (widen_offsets) plus compile-time
         constants. Rows from
-        `valid_rows` on become zeros. The stores are fenced into the async proxy; the caller arrives.
+        `valid_rows` on become zeros (with the fp8_unmasked_full_blocks experiment their FP8 words are
+        zeroed before the conversion: two masks a pass instead of four). The stores are fenced into the async proxy; the caller arrives.
         (Sm90FwdConfig checks that the warps' rounds end exactly at tile_n.)"""
         cfg = self.cfg
         hd = cfg.head_dim
@@ -1335,10 +1349,15 @@ class FlashAttentionForwardSm90:
                     words.append(lds(a8 + off8[i % per] + (i // per) * wl.PERIOD_ROWS * hd, 2))
                 for m in cutlass.range_constexpr(round_passes):
                     i = b * round_passes + m
-                    w01 = e4m3x4_to_f16x2x2(words[m][0])
-                    w23 = e4m3x4_to_f16x2x2(words[m][1])
+                    word01, word23 = words[m][0], words[m][1]
+                    if const_expr(valid_rows is not None and self.unmasked_full_blocks):
+                        # Zero bytes past the sequence's end widen to zeros: two masks a pass, not four.
+                        keep = Int32(0) - Int32(lane_row + i * rpp < valid_rows)
+                        word01, word23 = word01 & keep, word23 & keep
+                    w01 = e4m3x4_to_f16x2x2(word01)
+                    w23 = e4m3x4_to_f16x2x2(word23)
                     out = [w01[0], w01[1], w23[0], w23[1]]
-                    if const_expr(valid_rows is not None):
+                    if const_expr(valid_rows is not None and not self.unmasked_full_blocks):
                         # All ones for a row of the sequence, zeros past its end.
                         keep = Int32(0) - Int32(lane_row + i * rpp < valid_rows)
                         out = [x & keep for x in out]
