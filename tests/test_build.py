@@ -97,6 +97,8 @@ def test_full_menu_unless_narrowed(lib_symbols, built_menu):
     if built_menu["fa4_jax_variants"] or os.environ.get("FA4_JAX_VARIANTS"):
         pytest.skip(f"library built for FA4_JAX_VARIANTS={built_menu['fa4_jax_variants']!r}")
     assert set(lib_symbols) == {v.symbol for v in menu_from_env({})}
+    # ... with the shipped kernels: no build-time experiment (kernels/experiments.py) in it.
+    assert built_menu.get("experiments", []) == []
 
 
 def test_ffi_loader(lib_path, lib_symbols):

@@ -11,6 +11,7 @@ from fa4_jax.aot import abi, cache, codegen
 from fa4_jax.aot.cmake import REQUEST_FILE, families_in, sorted_menu
 from fa4_jax.aot.worker import AotError, compile_all
 from fa4_jax.families import MENU_ENV, description_of, family_of, objects_of
+from fa4_jax.kernels import experiments
 
 MENU_FILE = "fa4_menu.json"  # installed next to the .so; tests compare it with the library
 REGISTRY_FILE = "fa4_registry.inc"
@@ -39,6 +40,9 @@ def resolve_menu(request: Path | None) -> tuple[str, list]:
     menu = sorted_menu(spec)
     if [v.symbol for v in menu] != req.get("variants"):
         raise AotError(f"the menu changed since {request} was written; reconfigure the build")
+    if req.get("experiments", []) != list(experiments.active()):
+        raise AotError(f"{experiments.ENV} is {list(experiments.active())} here but was {req.get('experiments', [])} "
+                       f"when {request} was written; reconfigure the build with the same value")
     return spec, menu
 
 
@@ -137,7 +141,9 @@ def build(out: Path, jobs: int, force: bool = False, request: Path | None = None
             {"variants": [v.symbol for v in menu], "fa4_jax_variants": spec,
              "companions": [v.symbol for v in objects_of(menu)[len(menu):]],
              "families": {f.name: f.target for f in families},
-             "cutlass_dsl_version": dsl_version, "cuda_calls": calls},
+             "cutlass_dsl_version": dsl_version, "cuda_calls": calls,
+             # Kernels built with experiments (kernels/experiments.py) are not the shipped ones.
+             "experiments": list(experiments.active())},
             indent=1, sort_keys=True,
         ) + "\n",
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from fa4_jax.aot.cache import cutlass_dsl_version, kernel_source_names, write_if_changed
 from fa4_jax.aot.worker import AotError
 from fa4_jax.families import MENU_ENV, family_of, menu_from_env, objects_of
+from fa4_jax.kernels import experiments
 
 REQUEST_FILE = "fa4_request.json"  # menu + kernel file list recorded at configure time
 
@@ -79,5 +80,8 @@ def write_cmake_config(path: Path, out: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_if_changed(path, "\n".join(lines) + "\n")
     out.mkdir(parents=True, exist_ok=True)
-    req = {"fa4_jax_variants": spec, "variants": [v.symbol for v in menu], "kernel_sources": kernel_source_names()}
+    # The experiments too (kernels/experiments.py): a build dir reconfigured with others reruns the
+    # exporter, which would otherwise find its outputs up to date.
+    req = {"fa4_jax_variants": spec, "variants": [v.symbol for v in menu], "kernel_sources": kernel_source_names(),
+           "experiments": list(experiments.active())}
     write_if_changed(out / REQUEST_FILE, json.dumps(req, indent=1, sort_keys=True) + "\n")
