@@ -14,7 +14,8 @@ pages 16 and 1 on full caches), and softcapped (cap 30) on full caches; a ragged
 prefill chunks on 2k-16k of context, page 64, with and without a softcap (back-to-back calls); varlen 8
 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not), hd64 1k causal, and hd128 / hd256 8k
 causal, hd128 4k and hd64 4k softcapped (cap 30) beside plain; FP8 caches: decode hd128 1 x 32k and 8 x 32k,
-hd64 8 x 32k (contiguous and page 64) and the ragged chunk step on an FP8 page pool. Prints, per row, the
+hd64 8 x 32k (contiguous and page 64), the ragged chunk step on an FP8 page pool and 4 x 512-row chunks on
+8k of a contiguous FP8 cache. Prints, per row, the
 median over rounds of each library's time and its ratio to the first library's.
 """
 
@@ -113,8 +114,8 @@ def _child() -> dict:
         timed(f"chunks 8x512 ragged paged64{name}", f, (qc, kp, vp, clens, kc, table))
     kp_chunk, vp_chunk, chunk_table = kp, vp, table
 
-    # FP8 caches (per-head scales): decode at hd128 and hd64, contiguous and page 64, and the same
-    # ragged chunk step on an FP8 page pool (64-row tiles: the only FP8 tile).
+    # FP8 caches (per-head scales): decode at hd128 and hd64, contiguous and page 64, the same ragged
+    # chunk step on an FP8 page pool and a batched contiguous one (the FP8 chunk tile, tile_m 128).
     from fa4_jax.ops.kvcache.quant import quantize
 
     for hd, b, cap in [(128, 1, 32768), (128, 8, 32768), (64, 8, 32768)]:
@@ -136,6 +137,12 @@ def _child() -> dict:
         q, k, v, lens, cu_seqlens_q=cu, max_seqlen_q=chunk, page_table=t, causal=True, k_scale=k_scale,
         v_scale=v_scale, implementation="fa4"))
     timed("fp8 chunks 8x512 ragged paged64", f, (qc, kp8, vp8, clens, kc, chunk_table))
+    ks = jax.random.split(jax.random.key(41), 3)
+    q4 = normal(ks[0], (4, chunk, h_q, d))
+    k4, v4 = (quantize(normal(kk, (4, 8192 + chunk, h_k, d)), sc) for kk, sc in zip(ks[1:], (k_scale, v_scale)))
+    f = jax.jit(lambda q, k, v, lens: fa4_jax.attention_with_kvcache(
+        q, k, v, lens, causal=True, k_scale=k_scale, v_scale=v_scale, implementation="fa4"))
+    timed("fp8 chunks 4x512 on 8k contiguous", f, (q4, k4, v4, jnp.full((4,), 8192 + chunk, jnp.int32)))
 
     lens = [2000, 1999, 2001, 1950, 2047, 2000, 1000, 3053]
     cu = jnp.asarray([0] + list(jnp.cumsum(jnp.asarray(lens))), jnp.int32)
