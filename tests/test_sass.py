@@ -192,9 +192,10 @@ FP8_CHUNK_CONTIGUOUS = "fa4_kvcache_sm90_bf16_hd128_local_m128_kvfp8"
 @pytest.fixture(scope="module", params=[(FP8_CHUNK_PAGED, ""), (FP8_CHUNK_PAGED, "fp8_loader_widens"),
                                         (FP8_CHUNK_CONTIGUOUS, "fp8_loader_widens"),
                                         (FP8_CHUNK_PAGED, "fp8_unmasked_full_blocks"),
+                                        (FP8_CHUNK_CONTIGUOUS, "fp8_unmasked_full_blocks"),
                                         (FP8_CHUNK_PAGED, "fp8_loader_widens,fp8_unmasked_full_blocks")],
                 ids=["paged", "paged_loader_widens", "contiguous_loader_widens", "paged_unmasked",
-                     "paged_both"])
+                     "contiguous_unmasked", "paged_both"])
 def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, str, Path]:
     symbol, experiments = request.param
     return symbol, experiments, _compile_one(tmp_path_factory, symbol, {"FA4_JAX_EXPERIMENTS": experiments})

@@ -29,7 +29,9 @@ def _log(msg: str) -> None:
 
 def resolve_menu(request: Path | None) -> tuple[str, list]:
     """The menu: FA4_JAX_VARIANTS from the environment, or (the CMake build step) the spec recorded
-    in the request file at configure time, which must still select the same variants."""
+    in the request file at configure time, which must still select the same variants. The build step
+    also compiles the experiments recorded there (kernels/experiments.py), whatever its own
+    environment says: this sets FA4_JAX_EXPERIMENTS for this process and the workers it starts."""
     if request is None:
         spec = os.environ.get(MENU_ENV, "")
         return spec, sorted_menu(spec)
@@ -40,9 +42,7 @@ def resolve_menu(request: Path | None) -> tuple[str, list]:
     menu = sorted_menu(spec)
     if [v.symbol for v in menu] != req.get("variants"):
         raise AotError(f"the menu changed since {request} was written; reconfigure the build")
-    if req.get("experiments", []) != list(experiments.active()):
-        raise AotError(f"{experiments.ENV} is {list(experiments.active())} here but was {req.get('experiments', [])} "
-                       f"when {request} was written; reconfigure the build with the same value")
+    os.environ[experiments.ENV] = ",".join(req.get("experiments", []))
     return spec, menu
 
 
