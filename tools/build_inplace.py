@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Build libfa4_jax.so into the checkout (fa4_jax/_lib/, git-ignored), without pip.
 
-    python tools/build_inplace.py [--jobs N] [--clean] [--build-dir DIR]
+    python tools/build_inplace.py [--jobs N] [--clean] [--build-dir DIR] [--lib-dir DIR]
     FA4_JAX_VARIANTS="dtype=bf16,head_dim=128" python tools/build_inplace.py   # a quick subset
+    FA4_JAX_EXPERIMENTS=fp8_loader_widens python tools/build_inplace.py --build-dir build/loader \
+        --lib-dir build/ab/loader     # a library for tools/ab_kernels.py, fa4_jax/_lib/ left alone
 
 For the GPU workflow: the checkout plus fa4_jax/_lib/ is all the GPU host needs (it has no
 nvidia-cutlass-dsl); there, `PYTHONPATH=$PWD python3 -m pytest -m gpu -q tests`.
@@ -35,6 +37,8 @@ def main() -> int:
     parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "inplace")
     parser.add_argument("--jobs", type=int, default=None, help="parallel kernel compiles (default: all CPUs)")
     parser.add_argument("--clean", action="store_true", help="delete the build dir (and kernel cache) first")
+    parser.add_argument("--lib-dir", type=Path, default=None,
+                        help="put libfa4_jax.so and its fa4_menu.json here instead of fa4_jax/_lib/ (A/B builds)")
     args = parser.parse_args()
 
     cmake = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
@@ -62,12 +66,19 @@ def main() -> int:
         subprocess.run(configure, check=True)
         subprocess.run([cmake, "--build", str(build)], check=True)
         # `cmake --install` with the checkout as prefix puts the library (and its fa4_menu.json)
-        # exactly where fa4_jax/core/library.py looks: <checkout>/fa4_jax/_lib/.
-        subprocess.run([cmake, "--install", str(build), "--prefix", str(ROOT)], check=True)
+        # exactly where fa4_jax/core/library.py looks: <checkout>/fa4_jax/_lib/. With --lib-dir, into
+        # <build>/install first, then both files into the directory (FA4_JAX_LIBRARY=<dir>/libfa4_jax.so).
+        prefix = ROOT if args.lib_dir is None else build / "install"
+        subprocess.run([cmake, "--install", str(build), "--prefix", str(prefix)], check=True)
     except subprocess.CalledProcessError as e:
         print(f"build_inplace: `{' '.join(map(str, e.cmd[:3]))} ...` failed (exit {e.returncode})", file=sys.stderr)
         return 1
-    lib = ROOT / "fa4_jax" / "_lib" / "libfa4_jax.so"
+    lib = prefix / "fa4_jax" / "_lib" / "libfa4_jax.so"
+    if args.lib_dir is not None:
+        args.lib_dir.mkdir(parents=True, exist_ok=True)
+        for f in (lib, lib.parent / "fa4_menu.json"):
+            shutil.copy2(f, args.lib_dir / f.name)
+        lib = args.lib_dir / lib.name
     print(f"build_inplace: {lib} ({lib.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s")
     return 0
 
