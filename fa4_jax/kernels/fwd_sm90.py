@@ -1348,7 +1348,8 @@ class FlashAttentionForwardSm90:
         conversions and 16-byte stores, at offs' per-lane registers (widen_offsets) plus compile-time
         constants. Rows from
         `valid_rows` on become zeros (with the fp8_unmasked_full_blocks experiment their FP8 words are
-        zeroed before the conversion: two masks a pass instead of four). The stores are fenced into the async proxy; the caller arrives.
+        zeroed before the conversion: two masks a pass instead of four). The stores are fenced into
+        the async proxy; the caller arrives.
         (Sm90FwdConfig checks that the warps' rounds end exactly at tile_n.)"""
         cfg = self.cfg
         hd = cfg.head_dim
