@@ -229,35 +229,6 @@ def test_fp8_chunk_tile_widening_warps(fp8_chunk_obj):
     assert ops["UTMALDG"] > 0, sorted(ops.items())
 
 
-@pytest.fixture(scope="module", params=["", "dense_full_one_tile_per_cta"], ids=["persistent", "one_tile_per_cta"])
-def dense_full_obj(request, tmp_path_factory) -> tuple[str, Path]:
-    return request.param, _compile_one(tmp_path_factory, "fa4_fwd_sm90_bf16_hd128_full",
-                                       {"FA4_JAX_EXPERIMENTS": request.param})
-
-
-def test_dense_full_mainloop_without_the_tile_loop(dense_full_obj):
-    """Dense full attention (hd128) as shipped -- a persistent tile loop around the mainloop, the K/V
-    block loop inside it, twelve loops issuing HGMMA in all -- and with the experiment that runs one
-    tile per CTA (kernels/experiments.py): one loop, the mainloop, smaller than the shipped one (the
-    persistent loop made ptxas recompute the QK gemm's descriptor bases per block: docs/PERF.md)."""
-    import importlib.util
-
-    from fa4_jax.aot.cubin import kernel_resources
-
-    spec = importlib.util.spec_from_file_location("fa4_sass_compare", ROOT / "tools" / "fa4_sass_compare.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    experiment, obj = dense_full_obj
-    (text,) = [t for n, t in sass.kernel_sass(obj, _nvdisasm()).items() if "FlashAttentionForward" in n]
-    (res,) = [r for k, r in kernel_resources(obj).items() if "FlashAttentionForward" in k]
-    assert res.get("frame", 0) == 0, res
-    loops = sorted(len(body) for body in tool.loop_bodies(text))
-    if experiment:
-        assert len(loops) == 1 and loops[0] < 470, loops  # 446 with CUTLASS DSL 4.8.1
-    else:
-        assert len(loops) > 1 and loops[1] > 470, loops  # the mainloop: 485
-
-
 def test_arch_specific_suffix_comes_from_nv_compat(sm90_obj):
     """e_flags is the same for sm_90 and sm_90a; clearing .nv.compat attribute 0x09 (what
     cuobjdump and nvdisasm read the `a` from) must turn the reading into plain sm_90."""

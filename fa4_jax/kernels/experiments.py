@@ -24,11 +24,6 @@ KNOWN = {
     # sequence (all blocks but the one holding the sequence's end): the masks cost as many SEL
     # instructions as the block has conversions (fwd_sm90._widen_one).
     "fp8_unmasked_full_blocks": "the FP8 chunk tile skips the V row masks on blocks without a sequence end",
-    # Dense full attention on one CTA per tile with the tile loops compiled as one `if`: the persistent
-    # loop made ptxas recompute the QK gemm's descriptor bases in the mainloop (485 static instructions
-    # against 438 without the loop, FlashAttention-4 455; docs/PERF.md 2026-12-04), while one CTA per
-    # tile measured level with the persistent grid from 4k on and 9-11% behind at 1k.
-    "dense_full_one_tile_per_cta": "dense full attention: one CTA per tile, no tile loop in the kernel",
 }
 
 

@@ -122,12 +122,6 @@ class FlashAttentionForwardSm90:
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
         self.seams = FwdSeams.dense() if seams is None else seams
-        # A build-time experiment (experiments.py): dense full attention on one CTA per tile, the tile
-        # loops compiled as a single `if` (the persistent loop keeps ptxas from hoisting the QK gemm's
-        # descriptor bases out of the mainloop: docs/PERF.md, 2026-12-04). The handler passes no tile
-        # counter for full attention (ffi/fwd.cc), so no handout is bypassed.
-        self.one_tile_per_cta = (experiments.enabled("dense_full_one_tile_per_cta") and mask == "full"
-                                 and self.seams.seqlens is Seqlens.DENSE)
         self.page_rows = page_rows  # paged K/V: rows per piece (loaders.PAGE_ROWS_CHOICES)
         # Per-CTA phase timestamps for tools/decode_phases.py: KV-cache kernels built with
         # FA4_JAX_PHASE_TIMES=1 only (phase_times.py).
@@ -190,8 +184,6 @@ class FlashAttentionForwardSm90:
         # (consume_tile), while the next tile's first K/V stream in under the epilogue.
         if const_expr(self.cfg.ctas_per_sm > 1):  # max_ctas counts SMs: a persistent grid fills every slot
             max_ctas = cutlass.min(max_ctas, Int32((2**31 - 1) // self.cfg.ctas_per_sm)) * self.cfg.ctas_per_sm
-        if const_expr(self.one_tile_per_cta):
-            max_ctas = Int32(2**31 - 1)  # every tile its own CTA: the kernel's tile loops run once
         grid = StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mQ.shape[3], max_ctas)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                     window_left, window_right, mSemaphores=mTileCounter)
@@ -725,27 +717,21 @@ class FlashAttentionForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         self.stamps.begin_producer()
         tile_idx, num_tiles = scheduler.first(), scheduler.total
-        if const_expr(self.one_tile_per_cta):  # dense full attention, one tile per CTA (experiments.py)
-            if tile_idx < num_tiles:
-                state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
-                                                tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state,
-                                                scheduler.tile(tile_idx), problem, heads_per_kv, kv_len)
-        else:
-            while tile_idx < num_tiles:
-                work = scheduler.tile(tile_idx)
-                if const_expr(problem.seqlens is not Seqlens.DENSE):
-                    if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
-                        state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
-                                                        tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
-                                                        problem, heads_per_kv, kv_len)
-                else:
+        while tile_idx < num_tiles:
+            work = scheduler.tile(tile_idx)
+            if const_expr(problem.seqlens is not Seqlens.DENSE):
+                if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
                     state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
                                                     tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
                                                     problem, heads_per_kv, kv_len)
-                if const_expr(handout is not None):
-                    tile_idx = handout.producer_next(tile_idx)
-                else:
-                    tile_idx = scheduler.next(tile_idx)
+            else:
+                state, q_state = self.load_tile(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K,
+                                                tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
+                                                problem, heads_per_kv, kv_len)
+            if const_expr(handout is not None):
+                tile_idx = handout.producer_next(tile_idx)
+            else:
+                tile_idx = scheduler.next(tile_idx)
         if const_expr(self.kv_gather):
             # This thread's last copies must land before it exits (their barrier arrives are pending).
             cute.arch.cp_async_wait_group(0)
@@ -989,33 +975,28 @@ class FlashAttentionForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         args = (mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, softcap_prescale, problem, tile)
-        if const_expr(handout is not None and not self.one_tile_per_cta):
+        if const_expr(handout is not None):
             handout.consumers_begin()
         tile_idx, num_tiles = scheduler.first(), scheduler.total
-        if const_expr(self.one_tile_per_cta):  # dense full attention, one tile per CTA (experiments.py)
-            if tile_idx < num_tiles:
-                work = scheduler.tile(tile_idx)
+        while tile_idx < num_tiles:
+            work = scheduler.tile(tile_idx)
+            if const_expr(problem.seqlens is not Seqlens.DENSE):
+                if work.batch < problem.num_batch:
+                    seqlen = problem.seqlen(work.batch)
+                    if problem.has_rows(work, seqlen):
+                        state, q_state = self.consume_tile(work, seqlen, state, q_state, *args)
+                elif const_expr(problem.seqlens is Seqlens.VARLEN):
+                    epi.fill_unowned_rows(cfg, mO, mLSE, mSinks, tidx, work, problem)
+                else:  # a ragged KV-cache batch's pseudo-batch
+                    split_epilogue.fill_unowned_packed_rows(cfg.tile_m, cfg.head_dim, 128 * cfg.num_consumer_wg, mO,
+                                                            mLSE, mOaccum, mLSEaccum, mSinks, tidx, work,
+                                                            problem.seqlen(work.batch), problem)
+            else:
                 state, q_state = self.consume_tile(work, problem.seqlen(work.batch), state, q_state, *args)
-        else:
-            while tile_idx < num_tiles:
-                work = scheduler.tile(tile_idx)
-                if const_expr(problem.seqlens is not Seqlens.DENSE):
-                    if work.batch < problem.num_batch:
-                        seqlen = problem.seqlen(work.batch)
-                        if problem.has_rows(work, seqlen):
-                            state, q_state = self.consume_tile(work, seqlen, state, q_state, *args)
-                    elif const_expr(problem.seqlens is Seqlens.VARLEN):
-                        epi.fill_unowned_rows(cfg, mO, mLSE, mSinks, tidx, work, problem)
-                    else:  # a ragged KV-cache batch's pseudo-batch
-                        split_epilogue.fill_unowned_packed_rows(cfg.tile_m, cfg.head_dim, 128 * cfg.num_consumer_wg, mO,
-                                                                mLSE, mOaccum, mLSEaccum, mSinks, tidx, work,
-                                                                problem.seqlen(work.batch), problem)
-                else:
-                    state, q_state = self.consume_tile(work, problem.seqlen(work.batch), state, q_state, *args)
-                if const_expr(handout is not None):
-                    tile_idx = handout.consumer_next(tile_idx)
-                else:
-                    tile_idx = scheduler.next(tile_idx)
+            if const_expr(handout is not None):
+                tile_idx = handout.consumer_next(tile_idx)
+            else:
+                tile_idx = scheduler.next(tile_idx)
         if const_expr(self.seams.epilogue is Epilogue.TMA_STORE):
             epi.tma_store_drain(cfg, tidx)
         if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
