@@ -87,31 +87,6 @@ def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(monkeypatch, hd, stages, 
         replace(cfg, tile_n=88)
     with pytest.raises(ValueError, match=r"got self.head_dim=96"):
         kvcache_config(96, 128, paged, True, 16)
-    # The shipped tile widens with three warps; the loads' warp widening too is a build switch until
-    # measured on a GPU.
-    assert (cfg.loader_widens, cfg.kv_widen_warps) == (False, 3)
-    for other in (kvcache_config(hd, 64, paged, True, 16), kvcache_config(hd, 16, paged, True, 16)):
-        with pytest.raises(ValueError, match=r"loader_widens: the producer widens K and V \(producer_widens_k\)"):
-            replace(other, loader_widens=True)
-
-
-@pytest.mark.parametrize("hd", [64, 128])
-@pytest.mark.parametrize("paged", [False, True])
-def test_fp8_loader_widens_switch(monkeypatch, hd, paged):
-    """FA4_JAX_EXPERIMENTS=fp8_loader_widens (kernels/experiments.py): the chunk tile's loads' warp widens a
-    quarter of each block too, four warps of 32 rows. The paged loop needs 56 registers (it spilled 24
-    bytes at 40), its consumers give 8 each: 2 x 224 + 56 still fills the launch's 3 x 168; the
-    contiguous loop fits the shipped 40 (so that an A/B measures the warp alone)."""
-    from fa4_jax.kernels import fp8_widen_layout as wl
-
-    monkeypatch.setenv("FA4_JAX_EXPERIMENTS", "fp8_loader_widens")
-    cfg = kvcache_config(hd, 128, paged, True, 16)
-    regs = (224, 56) if paged else (232, 40)
-    assert (cfg.loader_widens, cfg.kv_widen_warps, cfg.consumer_regs, cfg.producer_regs) == (True, 4, *regs)
-    assert wl.rows_per_warp(cfg.tile_n, cfg.kv_widen_warps) == 32
-    assert 2 * cfg.consumer_regs + cfg.producer_regs == 3 * 168
-    # Only the chunk tile has the switch: the decode tiles are unchanged.
-    assert not kvcache_config(hd, 64, paged, True, 16).loader_widens
 
 
 def test_smem_estimate_counts_the_structs_two_slack_kilobytes():

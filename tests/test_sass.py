@@ -189,43 +189,30 @@ FP8_CHUNK_PAGED = "fa4_kvcache_sm90_bf16_hd128_local_paged_m128_kvfp8"
 FP8_CHUNK_CONTIGUOUS = "fa4_kvcache_sm90_bf16_hd128_local_m128_kvfp8"
 
 
-@pytest.fixture(scope="module", params=[(FP8_CHUNK_PAGED, ""), (FP8_CHUNK_PAGED, "fp8_loader_widens"),
-                                        (FP8_CHUNK_CONTIGUOUS, "fp8_loader_widens"),
-                                        (FP8_CHUNK_PAGED, "fp8_unmasked_full_blocks"),
-                                        (FP8_CHUNK_CONTIGUOUS, "fp8_unmasked_full_blocks"),
-                                        (FP8_CHUNK_PAGED, "fp8_loader_widens,fp8_unmasked_full_blocks")],
-                ids=["paged", "paged_loader_widens", "contiguous_loader_widens", "paged_unmasked",
-                     "contiguous_unmasked", "paged_both"])
-def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, str, Path]:
-    symbol, experiments = request.param
-    return symbol, experiments, _compile_one(tmp_path_factory, symbol, {"FA4_JAX_EXPERIMENTS": experiments})
+@pytest.fixture(scope="module", params=[FP8_CHUNK_PAGED, FP8_CHUNK_CONTIGUOUS], ids=["paged", "contiguous"])
+def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, _compile_one(tmp_path_factory, request.param)
 
 
 def test_fp8_chunk_tile_widening_warps(fp8_chunk_obj):
-    """The FP8 chunk tile (hd128) as shipped and with the build-time experiments on its widening
-    (kernels/experiments.py; not yet measured on a GPU, so kept compiling here): no local memory at the
-    producer's budget (40; 56 for the paged tile whose loads' warp widens: its loop spilled 24 bytes at
-    40); the e4m3 -> fp16 conversions (F2FP...E4M3) at each call site of widen_rows -- three in
-    widen_kv, three more in load_and_widen when the loads' warp widens, one more per function for V's
-    unmasked copy; the TMA loads in every build."""
+    """The FP8 chunk tile (hd128): no local memory at the producer's budget of 40 registers; the
+    e4m3 -> fp16 conversions (F2FP...E4M3) at each call site of widen_rows in widen_kv; the TMA
+    loads."""
     from fa4_jax.aot.cubin import kernel_resources
 
-    symbol, experiments, obj = fp8_chunk_obj
-    switch = "fp8_loader_widens" in experiments
+    symbol, obj = fp8_chunk_obj
     (text,) = [t for n, t in sass.kernel_sass(obj, _nvdisasm()).items() if "FlashAttentionForward" in n]
     ops = sass.opcode_counts(text)
     assert ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
     (res,) = [r for k, r in kernel_resources(obj).items() if "FlashAttentionForward" in k]
     assert res.get("frame", 0) == 0, res
     budgets = {int(m, 16) for m in re.findall(r"USETMAXREG\S*\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text)}
-    assert budgets == ({56, 224} if switch and symbol == FP8_CHUNK_PAGED else {40, 232}), budgets
+    assert budgets == {40, 232}, budgets
     converts = len(re.findall(r"F2FP\.F16\.E4M3", text))
-    # widen_rows inlined at each call site of a widening function (K of the highest block, the other K
-    # blocks, V: three; five when the highest block is peeled off the loop, fwd_sm90.widen_phases): at
-    # hd128 a warp's R rows are R / 2 passes of 4 conversions. R = 48 of three warps, or 32 of four,
-    # with load_and_widen's sites beside widen_kv's.
-    sites = 5 if "fp8_unmasked_full_blocks" in experiments else 3
-    assert converts == (2 * sites * 32 // 2 * 4 if switch else sites * 48 // 2 * 4), converts
+    # widen_rows inlined at each call site: the highest block peeled off the loop (its K, the next K,
+    # its masked V: fwd_sm90.widen_phases), then the loop's K and unmasked V -- five; at hd128 a
+    # warp's 48 rows are 24 passes of 4 conversions.
+    assert converts == 5 * 48 // 2 * 4, converts
     assert ops["UTMALDG"] > 0, sorted(ops.items())
 
 

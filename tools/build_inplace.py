@@ -3,8 +3,8 @@
 
     python tools/build_inplace.py [--jobs N] [--clean] [--build-dir DIR] [--lib-dir DIR]
     FA4_JAX_VARIANTS="dtype=bf16,head_dim=128" python tools/build_inplace.py   # a quick subset
-    FA4_JAX_EXPERIMENTS=fp8_loader_widens python tools/build_inplace.py --build-dir build/loader \
-        --lib-dir build/ab/loader     # a library for tools/ab_kernels.py, fa4_jax/_lib/ left alone
+    FA4_JAX_EXPERIMENTS=name python tools/build_inplace.py --build-dir build/name \
+        --lib-dir build/ab/name     # a library for tools/ab_kernels.py, fa4_jax/_lib/ left alone
 
 For the GPU workflow: the checkout plus fa4_jax/_lib/ is all the GPU host needs (it has no
 nvidia-cutlass-dsl); there, `PYTHONPATH=$PWD python3 -m pytest -m gpu -q tests`.

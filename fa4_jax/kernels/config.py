@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.kernels import experiments
 from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
@@ -53,11 +52,6 @@ class Sm90FwdConfig:
     # consumer warpgroups: both read every widened block, so no warpgroup can widen one for the other
     # between its own gemms).
     producer_widens_k: bool = False
-    # ... and the loads' warp widens a share too (four widening warps, one per SM sub-partition): it
-    # issues each FP8 stage's next load as soon as the four have widened the block in it
-    # (fwd_sm90.load_and_widen). KV-cache launches run one tile per CTA, so nothing is lost by not
-    # loading the next tile's blocks under this one's. Off until measured (experiments.py).
-    loader_widens: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
     # binary measured), shared memory for one.
@@ -68,8 +62,6 @@ class Sm90FwdConfig:
     fp8_decode: bool = False
 
     def __post_init__(self):
-        if self.loader_widens and not self.producer_widens_k:
-            raise ValueError("loader_widens: the producer widens K and V (producer_widens_k)")
         if self.fp8_decode:
             from fa4_jax.kernels import fp8_decode_layout as lay
 
@@ -84,7 +76,7 @@ class Sm90FwdConfig:
             # fwd_sm90.widen_rows skips a warp's round only when it starts past the block: every warp's
             # rounds must end exactly at tile_n (else the last warp would write into the next stage).
             if not (self.head_dim in wl.HEAD_DIMS and self.tile_n % wl.ROUND_ROWS == 0
-                    and wl.rows_per_warp(self.tile_n, self.kv_widen_warps) % wl.ROUND_ROWS == 0):
+                    and wl.rows_per_warp(self.tile_n, wl.WARPS) % wl.ROUND_ROWS == 0):
                 raise ValueError(f"producer_widens_k: head_dim in {wl.HEAD_DIMS} and whole "
                                  f"{wl.ROUND_ROWS}-row rounds per widening warp; got {self.head_dim=}, {self.tile_n=}")
         elif self.tile_m % 64:
@@ -106,14 +98,6 @@ class Sm90FwdConfig:
         """Shared memory one CTA may use with ctas_per_sm of them resident: the SM's 228 KB less 1 KB
         reserved per CTA, shared out (227 KB for one CTA, 113 KB each for two)."""
         return SM90_SMEM_PER_SM // self.ctas_per_sm - 1024
-
-    @property
-    def kv_widen_warps(self) -> int:
-        """Producer warps that widen K and V blocks (producer_widens_k): three beside the loads' warp,
-        four with loader_widens."""
-        from fa4_jax.kernels import fp8_widen_layout as wl
-
-        return wl.WARPS + 1 if self.loader_widens else wl.WARPS
 
     @property
     def launch_ctas(self) -> int:
@@ -253,9 +237,6 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         # CTAs per SM shared out exactly; at 200 its split merge spilled).
         producer_regs, consumer_regs = 40, 216
     widens_k = kv_fp8 and tile_m == 128
-    # The FP8 chunk tile's fourth widening warp (Sm90FwdConfig.loader_widens): compiled and checked on
-    # the CPU, not yet measured on a GPU, so a build-time experiment (experiments.py).
-    loader_widens = widens_k and experiments.enabled("fp8_loader_widens")
     if widens_k:
         # The FP8 chunk tile: both warpgroups read every block, so the producer widens K as well as V
         # (two fp16 rings; the FP8 stages are only the widening's source). 2 x 232 + 40 fills the
@@ -264,17 +245,11 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         if not producer_widens:
             raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
         producer_regs, consumer_regs = 40, 232
-        if loader_widens and paged:
-            # The loads' warp widens as well: its loop holds both the loads' cursors (the paged ones
-            # with their page lookups) and a widening round's 8 loads: at 40 the paged tile spilled 24
-            # bytes, the contiguous one does not. 2 x 224 + 56 fills the launch.
-            producer_regs, consumer_regs = 56, 224
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
-                             producer_widens_v=producer_widens, producer_widens_k=widens_k,
-                             loader_widens=loader_widens)
+                             producer_widens_v=producer_widens, producer_widens_k=widens_k)
 
     return _most_stages(config, max_stages)
 

@@ -2,7 +2,7 @@
 tests/test_sass.py), but await a GPU's verdict -- the tests on a library built with them, and an A/B
 against the shipped one (tools/ab_kernels.py). Plain Python, build time only.
 
-    FA4_JAX_EXPERIMENTS=fp8_loader_widens,fp8_unmasked_full_blocks python tools/build_inplace.py ...
+    FA4_JAX_EXPERIMENTS=name,other_name python tools/build_inplace.py ...
 
 turns the named ones on for every kernel the build compiles; the exporter's object cache keys on the
 set (aot/cache.fingerprint). Unset, the kernels are the shipped ones. An experiment that measures
@@ -16,15 +16,10 @@ import os
 
 ENV = "FA4_JAX_EXPERIMENTS"
 
-KNOWN = {
-    # The FP8 chunk tile's loads' warp widens a quarter of each block too: four widening warps of 32
-    # rows instead of three of 48 / 48 / 32 (Sm90FwdConfig.loader_widens, fwd_sm90.load_and_widen).
-    "fp8_loader_widens": "the FP8 chunk tile's loads' warp widens too (four widening warps)",
-    # The FP8 chunk tile widens a V block without its per-row zeroing when every row is a key of the
-    # sequence (all blocks but the one holding the sequence's end): the masks cost as many SEL
-    # instructions as the block has conversions (fwd_sm90._widen_one).
-    "fp8_unmasked_full_blocks": "the FP8 chunk tile skips the V row masks on blocks without a sequence end",
-}
+# Name -> one line on what it changes, with a comment on why it might pay. Empty: the last ones were
+# measured on 2026-12-06 (docs/PERF.md): fp8_unmasked_full_blocks became the default,
+# fp8_loader_widens and dense_full_one_tile_per_cta went.
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:

@@ -4,8 +4,7 @@ masks and xor only) and tests/test_fp8_widen_layout.py checks on the CPU (every 
 shared-memory bank conflict). The kernel checks both formulas against CuTe's layouts of the stages
 when it compiles.
 
-The tile's three widening warps (four with Sm90FwdConfig.loader_widens: kv_widen_warps) share each block
-by rows: warp w takes rows [w R, (w + 1) R), R the rows per warp rounded up to the swizzles' 8-row
+The tile's three widening warps share each block by rows: warp w takes rows [w R, (w + 1) R), R the rows per warp rounded up to the swizzles' 8-row
 period (the last warp may have fewer). Within its rows a
 warp copies as CuTe's row_thread_layout of 32 threads would: head_dim / 8 lanes per row, 8 elements
 (8 FP8 bytes in, 16 fp16 bytes out) per lane, 32 / (head_dim / 8) rows per pass. Because a warp's
@@ -19,7 +18,7 @@ from __future__ import annotations
 from fa4_jax.kernels.fp8_decode_layout import swizzle as fp8_swizzle
 
 HEAD_DIMS = (64, 128)  # the FP8 swizzles fp8_offset knows (fp8_decode_layout.swizzle)
-WARPS = 3  # widening warps beside the loads' warp (fwd_sm90.WIDEN_WARPS_KV); one more with loader_widens
+WARPS = 3  # widening warps beside the loads' warp (fwd_sm90.WIDEN_WARPS_KV)
 PERIOD_ROWS = 8  # both swizzles repeat every 8 rows
 F16_HALF_COLS = 64  # an fp16 swizzle atom is 64 columns wide
 F16_ROW_BYTES = 2 * F16_HALF_COLS  # ... so a widened stage's rows are 128 bytes (per 64-column half)

@@ -72,7 +72,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import experiments, phase_times
+from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -87,8 +87,7 @@ from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, sts_b32x4
 # FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
 WIDEN_WARPS = (1, 2)
 # ... and with cfg.producer_widens_k, K and V blocks: all three warps beside the loads' (each on its own
-# SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening);
-# with cfg.loader_widens the loads' warp 0 as well (load_and_widen).
+# SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening).
 WIDEN_WARPS_KV = tuple(range(1, 1 + wl.WARPS))
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
@@ -110,14 +109,13 @@ class FlashAttentionForwardSm90:
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
-        self.widen_warps = WIDEN_WARPS if not cfg.producer_widens_k \
-            else (0, *WIDEN_WARPS_KV) if cfg.loader_widens else WIDEN_WARPS_KV
-        # A build-time experiment (experiments.py): V blocks without a sequence end widen unmasked. The
-        # widening loops then run in two phases of (first block index, V rows masked): the highest block
-        # alone -- the only one that can hold the sequence's end, as n_block_max <= ceil(seqlen_k /
-        # tile_n) -- then the others without masks. Else one phase, every block masked.
-        self.unmasked_full_blocks = experiments.enabled("fp8_unmasked_full_blocks") and cfg.producer_widens_k
-        self.widen_phases = ((0, True), (1, False)) if self.unmasked_full_blocks else ((0, True),)
+        self.widen_warps = WIDEN_WARPS_KV if cfg.producer_widens_k else WIDEN_WARPS
+        # With cfg.producer_widens_k, V blocks without a sequence end widen unmasked (the row masks
+        # cost one SEL per stored word, as much as the conversions: docs/PERF.md 2026-12-06). The
+        # widening loop then runs in two phases of (first block index, V rows masked): the highest
+        # block alone -- the only one that can hold the sequence's end, as n_block_max <=
+        # ceil(seqlen_k / tile_n) -- then the others without masks. Else one phase, every block masked.
+        self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -636,12 +634,8 @@ class FlashAttentionForwardSm90:
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
             elif warp_idx == 0:
-                if const_expr(cfg.loader_widens):  # the loads, and a widening warp's share of each block
-                    self.load_and_widen(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
-                                        pipe_k16, pipe_v16, fp8, scheduler, problem, kv_len)
-                else:
-                    self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                              pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
+                self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
             elif const_expr(cfg.producer_widens_v):
                 if warp_idx <= self.widen_warps[-1]:
                     self.widen_kv(pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler, problem)
@@ -772,97 +766,6 @@ class FlashAttentionForwardSm90:
         return KVLoader.create(self.cfg, self.seams.kv_load is KVLoad.PAGED, mK, mV, mPageTable, sK, sV, tma_atom_K,
                                tma_atom_V, head_kv, batch, seqlen.offset_k, varlen, kv_len, self.page_rows,
                                cute.arch.thread_idx()[0] % 128)
-
-    @cute.jit
-    def load_and_widen(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v, pipe_k16, pipe_v16,
-                       fp8, scheduler: StaticPersistentTileScheduler, problem: TileProblem, kv_len):
-        """cfg.loader_widens (the FP8 chunk tile), warp 0: the K/V loads of load(), and the first of
-        the four widening warps' shares of every block (widen_kv's, rows [0, R)). Each tensor's
-        loads run `stages` blocks ahead: a tile's first `stages` K and V blocks up front, in the
-        consumers' order (K of the highest block, then K_{j-1} before V_j), then each FP8 stage
-        refilled as soon as this warp has widened the block in it -- the refill's producer_acquire
-        waits for the other three warps to release the stage, as they do when they finish the same
-        block, so the loads go out when load() would issue them, once this warp's share is done.
-        No deadlock: the three wait only for loads issued `stages` blocks earlier and for fp16
-        stages the consumers free, which need nothing this warp has not yet done. What is lost
-        against load(): the next tile's blocks no longer stream in under the current tile's last
-        ones, which KV-cache launches (one tile per CTA) never had. Pack-GQA: no Q to load."""
-        cfg = self.cfg
-        tidx = cute.arch.thread_idx()[0]  # warp 0 is widening warp 0
-        load_k = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        load_v = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-        v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-        k16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        v16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        offs = self.widen_offsets(tidx)
-        k_addrs, v_addrs = (fp8.addrs[0], fp8.addrs[2]), (fp8.addrs[1], fp8.addrs[3])
-        self.stamps.begin_producer()
-        tile_idx, num_tiles = scheduler.first(), scheduler.total
-        while tile_idx < num_tiles:
-            work = scheduler.tile(tile_idx)
-            if work.batch < problem.num_batch:  # the padding pseudo-batch loads nothing
-                seqlen = problem.seqlen(work.batch)
-                blocks = problem.blocks(seqlen)
-                n_block_min, n_block_max = problem.n_block_range(blocks, work)
-                if problem.has_rows(work, seqlen) and n_block_max > n_block_min:
-                    kv = self.kv_loader(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, work.head, work.batch,
-                                        seqlen, False, kv_len)
-                    # Each tensor's next load: its block (loads go highest first; none below
-                    # n_block_min) and that block's page lookup, issued a load ahead (load_blocks).
-                    k_next = n_block_max - 1
-                    k_page, k_within = kv.lookup(k_next)
-                    v_next, v_page, v_within = k_next, k_page, k_within
-                    for a in cutlass.range_constexpr(cfg.stages):
-                        if k_next >= n_block_min:
-                            load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup,
-                                                                                k_next, k_page, k_within)
-                        if const_expr(a > 0):  # V_j after K_{j-1}
-                            if v_next >= n_block_min:
-                                load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup,
-                                                                                    v_next, v_page, v_within)
-                    if v_next >= n_block_min:
-                        load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup, v_next,
-                                                                            v_page, v_within)
-                    self.stamps.producer_at(phase_times.FIRST_K_ISSUED)  # (with the rest of the first loads)
-                    # K of the highest block, then K_{j-1} before V_j (widen_kv's order), each stage
-                    # refilled once widened.
-                    k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state, fp8.sK16,
-                                                          tidx, offs, k_addrs)
-                    if k_next >= n_block_min:
-                        load_k, k_next, k_page, k_within = self._load_ahead(pipe_k, load_k, kv.k, kv.lookup, k_next,
-                                                                            k_page, k_within)
-                    for p in cutlass.range_constexpr(len(self.widen_phases)):
-                        first, masked = self.widen_phases[p]
-                        for i in cutlass.range(first, 1 if const_expr(p + 1 < len(self.widen_phases))
-                                               else n_block_max - n_block_min, unroll=1):
-                            n_block = n_block_max - 1 - i
-                            if n_block > n_block_min:
-                                k8_state, k16_state = self._widen_one(pipe_k, k8_state, fp8.sK8, pipe_k16, k16_state,
-                                                                      fp8.sK16, tidx, offs, k_addrs)
-                                if k_next >= n_block_min:
-                                    load_k, k_next, k_page, k_within = self._load_ahead(
-                                        pipe_k, load_k, kv.k, kv.lookup, k_next, k_page, k_within)
-                            v8_state, v16_state = self._widen_one(
-                                pipe_v, v8_state, fp8.sV8, pipe_v16, v16_state, fp8.sV16, tidx, offs, v_addrs,
-                                seqlen.seqlen_k - n_block * cfg.tile_n if masked else None)
-                            if v_next >= n_block_min:
-                                load_v, v_next, v_page, v_within = self._load_ahead(pipe_v, load_v, kv.v, kv.lookup,
-                                                                                    v_next, v_page, v_within)
-            tile_idx = scheduler.next(tile_idx)
-        self.stamps.end_producer()
-
-    @cute.jit
-    def _load_ahead(self, pipe, state, copy, lookup, n_block, page, within):
-        """load_and_widen's step: block n_block of one tensor into the stage `state` names, once free
-        (copy: KVLoader.k / .v; (page, within): lookup(n_block)), then the next block's lookup.
-        Returns (state advanced, n_block - 1, its page, its position in the page)."""
-        pipe.producer_acquire(state)
-        copy(n_block, state.index, pipe.producer_get_barrier(state), page, within)
-        pipe.producer_commit(state)
-        state.advance()
-        page, within = lookup(n_block - 1)
-        return state, n_block - 1, page, within
 
     @cute.jit
     def widen_kv(self, pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler,
@@ -1328,9 +1231,8 @@ class FlashAttentionForwardSm90:
         at a time (skipped past the block's end): its 8-byte loads, one per pass, then their
         conversions and 16-byte stores, at offs' per-lane registers (widen_offsets) plus compile-time
         constants. Rows from
-        `valid_rows` on become zeros (with the fp8_unmasked_full_blocks experiment their FP8 words are
-        zeroed before the conversion: two masks a pass instead of four). The stores are fenced into
-        the async proxy; the caller arrives.
+        `valid_rows` on become zeros (their FP8 words are zeroed before the conversion: two masks a
+        pass, not four). The stores are fenced into the async proxy; the caller arrives.
         (Sm90FwdConfig checks that the warps' rounds end exactly at tile_n.)"""
         cfg = self.cfg
         hd = cfg.head_dim
@@ -1351,17 +1253,13 @@ class FlashAttentionForwardSm90:
                 for m in cutlass.range_constexpr(round_passes):
                     i = b * round_passes + m
                     word01, word23 = words[m][0], words[m][1]
-                    if const_expr(valid_rows is not None and self.unmasked_full_blocks):
+                    if const_expr(valid_rows is not None):
                         # Zero bytes past the sequence's end widen to zeros: two masks a pass, not four.
                         keep = Int32(0) - Int32(lane_row + i * rpp < valid_rows)
                         word01, word23 = word01 & keep, word23 & keep
                     w01 = e4m3x4_to_f16x2x2(word01)
                     w23 = e4m3x4_to_f16x2x2(word23)
                     out = [w01[0], w01[1], w23[0], w23[1]]
-                    if const_expr(valid_rows is not None and not self.unmasked_full_blocks):
-                        # All ones for a row of the sequence, zeros past its end.
-                        keep = Int32(0) - Int32(lane_row + i * rpp < valid_rows)
-                        out = [x & keep for x in out]
                     sts_b32x4(a16 + off16[i % per] + (i // per) * wl.PERIOD_ROWS * wl.F16_ROW_BYTES, out)
         cute.arch.fence_view_async_shared()
 
