@@ -4,8 +4,8 @@ masks and xor only) and tests/test_fp8_widen_layout.py checks on the CPU (every 
 shared-memory bank conflict). The kernel checks both formulas against CuTe's layouts of the stages
 when it compiles.
 
-The tile's three widening warps share each block by rows: warp w takes rows [w R, (w + 1) R), R the rows per warp rounded up to the swizzles' 8-row
-period (the last warp may have fewer). Within its rows a
+The tile's three widening warps share each block by rows: warp w takes rows [w R, (w + 1) R), R the
+rows per warp rounded up to the swizzles' 8-row period (the last warp may have fewer). Within its rows a
 warp copies as CuTe's row_thread_layout of 32 threads would: head_dim / 8 lanes per row, 8 elements
 (8 FP8 bytes in, 16 fp16 bytes out) per lane, 32 / (head_dim / 8) rows per pass. Because a warp's
 first row is a multiple of 8, its addresses are one runtime base plus per-lane offsets that repeat

@@ -118,7 +118,7 @@ class FlashAttentionForwardSm90:
         self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
         # A build-time experiment (experiments.py): the FP8 chunk tile's QK^T takes Q from registers,
         # loaded from the quantized tile once (load_q_regs), to spare shared memory's bandwidth.
-        self.q_in_regs = experiments.enabled("fp8_chunk_q_in_regs") and cfg.producer_widens_k
+        self.q_in_regs = experiments.enabled("fp8_chunk_q_in_regs") and cfg.kv_fp8 and cfg.producer_widens_k
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -496,9 +496,10 @@ class FlashAttentionForwardSm90:
         cfg = self.cfg
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         if const_expr(self.q_in_regs):  # registers, filled per tile by load_q_regs
             tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((cfg.tile_m, cfg.head_dim)))
+        else:
+            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         return (
             tSrQ,
             wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
