@@ -18,14 +18,8 @@ ENV = "FA4_JAX_EXPERIMENTS"
 
 # Name -> one line on what it changes, with a comment on why it might pay. (2026-12-06 measured the
 # eighth session's three, docs/PERF.md: fp8_unmasked_full_blocks became the default,
-# fp8_loader_widens and dense_full_one_tile_per_cta went.)
-KNOWN: dict[str, str] = {
-    # The FP8 chunk tile moves ~256 KB through each SM's shared memory per 128-key block (the gemms'
-    # Q, K and V reads, 160 KB over both warpgroups, and the widening's 32 KB read and 64 KB write)
-    # in about the 2048 cycles of its tensor work: at 128 bytes per cycle the pipe is full. Q as the
-    # register A operand of QK^T (loaded once per tile by ldmatrix) takes its 32 KB per block off.
-    "fp8_chunk_q_in_regs": "the FP8 chunk tile's QK^T reads Q from registers (ldmatrix once per tile)",
-}
+# fp8_loader_widens and dense_full_one_tile_per_cta went; then fp8_chunk_q_in_regs went: no gain.)
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:

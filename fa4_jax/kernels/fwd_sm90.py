@@ -72,7 +72,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import experiments, phase_times
+from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -116,9 +116,6 @@ class FlashAttentionForwardSm90:
         # block alone -- the only one that can hold the sequence's end, as n_block_max <=
         # ceil(seqlen_k / tile_n) -- then the others without masks. Else one phase, every block masked.
         self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
-        # A build-time experiment (experiments.py): the FP8 chunk tile's QK^T takes Q from registers,
-        # loaded from the quantized tile once (load_q_regs), to spare shared memory's bandwidth.
-        self.q_in_regs = experiments.enabled("fp8_chunk_q_in_regs") and cfg.kv_fp8 and cfg.producer_widens_k
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -408,7 +405,6 @@ class FlashAttentionForwardSm90:
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             (num_wg, 1, 1), (64, cfg.tile_n),
-            a_source=warpgroup.OperandSource.RMEM if self.q_in_regs else warpgroup.OperandSource.SMEM,
         )
         # V tiles are (keys, head_dim) in smem; as the B operand of P @ V they are read transposed,
         # i.e. MN-major, which wgmma supports for 16-bit types without a transpose pass.
@@ -496,12 +492,8 @@ class FlashAttentionForwardSm90:
         cfg = self.cfg
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
-        if const_expr(self.q_in_regs):  # registers, filled per tile by load_q_regs
-            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((cfg.tile_m, cfg.head_dim)))
-        else:
-            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         return (
-            tSrQ,
+            wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),
             wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),
             wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_2d(sV))),
             wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((cfg.tile_m, cfg.tile_n))),
@@ -966,8 +958,6 @@ class FlashAttentionForwardSm90:
                     tile_prescale = softcap_prescale * unscale
                 else:
                     tile_softmax = OnlineSoftmax(softmax.scale_log2 * unscale, softmax.row_max, softmax.row_sum)
-                if const_expr(self.q_in_regs):
-                    self.load_q_regs(tiled_mma_qk, tile.fp8.sQ16, tSrQ, tile.tidx)
             self.stamps.consumer_at(phase_times.Q_READY)
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                   s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS, tiled_mma_qk),
@@ -1303,17 +1293,6 @@ class FlashAttentionForwardSm90:
                     if got != want:
                         raise ValueError(f"fp8_widen_layout disagrees with the stages' layouts at {c}: {got} != {want}")
         _WIDEN_LAYOUTS_CHECKED.add(key)
-
-    @cute.jit
-    def load_q_regs(self, tiled_mma_qk, sQ16, tSrQ, tidx):
-        """self.q_in_regs: the quantized Q tile (quantize_q's, complete in shared memory for every
-        consumer thread) into this thread's A fragment of QK^T, by ldmatrix in the wgmma's register
-        layout (tidx: the consumer thread, both warpgroups' rows)."""
-        atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                   sQ16.element_type)
-        copy = cute.make_tiled_copy_A(atom, tiled_mma_qk)
-        thr = copy.get_slice(tidx)
-        cute.copy(copy, thr.partition_S(sQ16), thr.retile(tSrQ))
 
     @cute.jit
     def quantize_q(self, sQ, fp8, tidx, work, q_rows, scale_log2: Float32) -> Float32:
