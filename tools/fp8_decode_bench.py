@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8-only", action="store_true", help="time the FP8 cache alone (a library of FP8 variants)")
     ap.add_argument("--chunks-only", action="store_true", help="the prefill-chunk rows alone")
     ap.add_argument("--no-chunks", action="store_true", help="the decode rows alone")
+    ap.add_argument("--chunk-head-dims", default="128,64",
+                    help="the chunk rows' head dims (a narrow library may hold only some)")
     args = ap.parse_args(argv)
     for line in header_lines(jax.devices()[0]):
         print(line)
@@ -143,7 +145,8 @@ def chunk_rows(args, tp, k_scale, v_scale) -> list:
     print(f"{'row':>36} {'hd':>3} {'bf16 us':>8} {'TFLOP/s':>7} {'fp8 us':>8} {'TFLOP/s':>7} {'fp8/bf16':>8} "
           f"{'fp8 err':>8}")
     results = []
-    for label, hd, ctx, ps in CHUNK_ROWS:
+    head_dims = {int(x) for x in args.chunk_head_dims.split(",")}
+    for label, hd, ctx, ps in (row for row in CHUNK_ROWS if row[1] in head_dims):
         n = len(ctx)
         lens = np.asarray(ctx) + CHUNK
         cap = -(-int(lens.max()) // 64) * 64
