@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from fa4_jax.aot import sass
-from fa4_jax.kernels import fp8_widen_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER_SYMBOL = "fa4_kvcache_sm90_bf16_hd128_local"
@@ -190,22 +189,18 @@ FP8_CHUNK_PAGED = "fa4_kvcache_sm90_bf16_hd128_local_paged_m128_kvfp8"
 FP8_CHUNK_CONTIGUOUS = "fa4_kvcache_sm90_bf16_hd128_local_m128_kvfp8"
 
 
-@pytest.fixture(scope="module", params=[(FP8_CHUNK_PAGED, ""), (FP8_CHUNK_CONTIGUOUS, ""),
-                                        (FP8_CHUNK_PAGED, "fp8_chunk_n64")],
-                ids=["paged", "contiguous", "paged_n64"])
-def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, int, Path]:
-    symbol, experiment = request.param
-    rows_per_warp = fp8_widen_layout.rows_per_warp(64 if experiment else 128, fp8_widen_layout.WARPS)
-    return symbol, rows_per_warp, _compile_one(tmp_path_factory, symbol, {"FA4_JAX_EXPERIMENTS": experiment})
+@pytest.fixture(scope="module", params=[FP8_CHUNK_PAGED, FP8_CHUNK_CONTIGUOUS], ids=["paged", "contiguous"])
+def fp8_chunk_obj(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, _compile_one(tmp_path_factory, request.param)
 
 
 def test_fp8_chunk_tile_widening_warps(fp8_chunk_obj):
-    """The FP8 chunk tile (hd128), as shipped and with the build-time experiment of 64-key blocks
-    (kernels/experiments.py): no local memory at the producer's budget of 40 registers; the e4m3 ->
-    fp16 conversions (F2FP...E4M3) at each call site of widen_rows in widen_kv; the TMA loads."""
+    """The FP8 chunk tile (hd128): no local memory at the producer's budget of 40 registers; the
+    e4m3 -> fp16 conversions (F2FP...E4M3) at each call site of widen_rows in widen_kv; the TMA
+    loads."""
     from fa4_jax.aot.cubin import kernel_resources
 
-    symbol, rows_per_warp, obj = fp8_chunk_obj
+    symbol, obj = fp8_chunk_obj
     (text,) = [t for n, t in sass.kernel_sass(obj, _nvdisasm()).items() if "FlashAttentionForward" in n]
     ops = sass.opcode_counts(text)
     assert ops["STL"] == ops["LDL"] == 0, sorted(ops.items())
@@ -216,8 +211,8 @@ def test_fp8_chunk_tile_widening_warps(fp8_chunk_obj):
     converts = len(re.findall(r"F2FP\.F16\.E4M3", text))
     # widen_rows inlined at each call site: the highest block peeled off the loop (its K, the next K,
     # its masked V: fwd_sm90.widen_phases), then the loop's K and unmasked V -- five; at hd128 a
-    # warp's rows (48 of a 128-key block, 24 of 64) are passes of two rows and 4 conversions.
-    assert converts == 5 * rows_per_warp // 2 * 4, converts
+    # warp's 48 rows are 24 passes of 4 conversions.
+    assert converts == 5 * 48 // 2 * 4, converts
     assert ops["UTMALDG"] > 0, sorted(ops.items())
 
 

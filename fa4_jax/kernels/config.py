@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.kernels import experiments
 from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
@@ -76,11 +75,10 @@ class Sm90FwdConfig:
 
             # fwd_sm90.widen_rows skips a warp's round only when it starts past the block: every warp's
             # rounds must end exactly at tile_n (else the last warp would write into the next stage).
-            rounds = wl.round_rows(self.tile_n)
-            if not (self.head_dim in wl.HEAD_DIMS and self.tile_n % rounds == 0
-                    and wl.rows_per_warp(self.tile_n, wl.WARPS) % rounds == 0):
+            if not (self.head_dim in wl.HEAD_DIMS and self.tile_n % wl.ROUND_ROWS == 0
+                    and wl.rows_per_warp(self.tile_n, wl.WARPS) % wl.ROUND_ROWS == 0):
                 raise ValueError(f"producer_widens_k: head_dim in {wl.HEAD_DIMS} and whole "
-                                 f"{rounds}-row rounds per widening warp; got {self.head_dim=}, {self.tile_n=}")
+                                 f"{wl.ROUND_ROWS}-row rounds per widening warp; got {self.head_dim=}, {self.tile_n=}")
         elif self.tile_m % 64:
             raise ValueError(f"tile_m must be a multiple of 64 (one wgmma M): {self.tile_m=}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
@@ -239,9 +237,6 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         # CTAs per SM shared out exactly; at 200 its split merge spilled).
         producer_regs, consumer_regs = 40, 216
     widens_k = kv_fp8 and tile_m == 128
-    if widens_k and head_dim == 128 and experiments.enabled("fp8_chunk_n64"):
-        # 64-key blocks: four stages of each ring in the shared memory that holds two of 128 keys.
-        tile_n = 64
     if widens_k:
         # The FP8 chunk tile: both warpgroups read every block, so the producer widens K as well as V
         # (two fp16 rings; the FP8 stages are only the widening's source). 2 x 232 + 40 fills the

@@ -18,15 +18,9 @@ ENV = "FA4_JAX_EXPERIMENTS"
 
 # Name -> one line on what it changes, with a comment on why it might pay. (2026-12-06 measured the
 # eighth session's three, docs/PERF.md: fp8_unmasked_full_blocks became the default,
-# fp8_loader_widens and dense_full_one_tile_per_cta went; then fp8_chunk_q_in_regs went: no gain.)
-KNOWN: dict[str, str] = {
-    # At hd128 the FP8 chunk tile's shared memory holds two stages of 128 keys in each ring (Q 32 KB,
-    # the FP8 stages 2 x 32 KB, the fp16 rings 2 x 64 KB), where the bf16 chunk tile has three and the
-    # hd64 FP8 one four; its ratio to the bf16 cache is 0.86-0.91 at hd128 against 0.95 at hd64. The
-    # widening is one more hop between a block's TMA load and its gemms, so with two stages a late
-    # widening stalls both warpgroups. 64-key blocks give four stages of each in the same bytes.
-    "fp8_chunk_n64": "the hd128 FP8 chunk tile runs 64-key blocks, four stages per ring instead of two",
-}
+# fp8_loader_widens and dense_full_one_tile_per_cta went; the ninth session's fp8_chunk_q_in_regs and
+# fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time.)
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:

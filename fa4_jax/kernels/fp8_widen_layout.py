@@ -25,21 +25,13 @@ F16_ROW_BYTES = 2 * F16_HALF_COLS  # ... so a widened stage's rows are 128 bytes
 ELEMS = 8  # elements per lane and copy
 # Rows a warp loads before it converts and stores them (8 loads per lane at head_dim 128, 4 at 64: the
 # 40-register producer holds them); a round past the block's end is skipped, so a warp's rows and the
-# block's are multiples of it: round_rows.
+# block's are multiples of it.
 ROUND_ROWS = 16
 
 
 def rows_per_warp(tile_n: int, warps: int) -> int:
     """Rows of a block each widening warp takes (a multiple of PERIOD_ROWS)."""
     return -(-tile_n // (PERIOD_ROWS * warps)) * PERIOD_ROWS
-
-
-def round_rows(tile_n: int, warps: int = WARPS) -> int:
-    """Rows per round: ROUND_ROWS where a warp's rows and the block's are whole rounds of it, else one
-    swizzle period (64-key blocks: 24 rows per warp, three rounds of 8)."""
-    if tile_n % ROUND_ROWS == 0 and rows_per_warp(tile_n, warps) % ROUND_ROWS == 0:
-        return ROUND_ROWS
-    return PERIOD_ROWS
 
 
 def lanes_per_row(head_dim: int) -> int:

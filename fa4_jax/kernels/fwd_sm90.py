@@ -1227,7 +1227,7 @@ class FlashAttentionForwardSm90:
     def widen_rows(self, base8, stage8, base16, stage16, tidx, offs, valid_rows=None):
         """FP8 block `stage8` at shared address base8 -> fp16 stage `stage16` at base16, by
         len(self.widen_warps) warps that need not divide the block's rows (fp8_widen_layout: warp w
-        takes rows [w R, (w + 1) R), the last warp fewer), a round of fp8_widen_layout.round_rows rows
+        takes rows [w R, (w + 1) R), the last warp fewer), a round of fp8_widen_layout.ROUND_ROWS rows
         at a time (skipped past the block's end): its 8-byte loads, one per pass, then their
         conversions and 16-byte stores, at offs' per-lane registers (widen_offsets) plus compile-time
         constants. Rows from
@@ -1242,7 +1242,7 @@ class FlashAttentionForwardSm90:
         lane_row = first + (tidx % 32) // wl.lanes_per_row(hd)
         rpp, per = wl.rows_per_pass(hd), wl.period(hd)
         n = wl.passes(cfg.tile_n, hd, len(self.widen_warps))
-        round_passes = wl.round_rows(cfg.tile_n) // rpp
+        round_passes = wl.ROUND_ROWS // rpp
         assert n % round_passes == 0 and round_passes % per == 0, (n, round_passes, per)
         for b in cutlass.range_constexpr(n // round_passes):
             if first + b * round_passes * rpp < cfg.tile_n:
