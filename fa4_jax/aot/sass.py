@@ -217,3 +217,39 @@ def opcode_counts(sass_text: str) -> collections.Counter:
     """How often each base opcode (the mnemonic before its first '.', predicate dropped) occurs:
     UTCHMMA, LDTM, UTMALDG, HGMMA, ..."""
     return collections.Counter(m.group(1) for line in sass_text.splitlines() if (m := _INSTR.match(line)))
+
+
+# `.L_x_12:` (a label on a line of its own) and `BRA `(.L_x_12)` (a branch to it).
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_ADDR = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/")
+_BRANCH = re.compile(r"\bBRA\b[^;]*\(\.(L_x_\d+)\)")
+
+
+def loop_bodies(sass_text: str) -> list[tuple[int, int, collections.Counter]]:
+    """The loops of one function's SASS: for each backward branch, (target address, branch address,
+    base-opcode counts of the instructions from the target to the branch, both included). A loop
+    with inner loops or early exits is counted whole: a static count of one pass over the body,
+    which is what a per-block comparison of two kernels' mainloops needs (docs/PERF.md, 2026-12-06)."""
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    instrs: list[tuple[int, str]] = []
+    for line in sass_text.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        a, op = _ADDR.match(line), _INSTR.match(line)
+        if a and op:
+            addr = int(a.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            instrs.append((addr, line))
+    loops = []
+    for addr, line in instrs:
+        m = _BRANCH.search(line)
+        target = labels.get(m.group(1)) if m else None
+        if target is not None and target <= addr:
+            body = "\n".join(text for a, text in instrs if target <= a <= addr)
+            loops.append((target, addr, opcode_counts(body)))
+    return loops
