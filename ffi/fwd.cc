@@ -19,11 +19,6 @@
 namespace fa4_jax::gen::fwd {
 namespace {
 ffi::Error Invalid(const std::string &msg) { return InvalidArgument(kTarget, msg); }
-
-bool DynamicTilesEnabled() {
-  const char *v = std::getenv("FA4_JAX_DYNAMIC_TILES");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
 }  // namespace
 
 ffi::Error Resolve(const Call &c, Resolved &r) {

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 namespace fa4_jax::gen::kvcache {
@@ -199,6 +200,22 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
     if (int32_t *pool = ZeroedCounters(dev.device, c.stream, counters)) {
       p.semaphores = pool;
       p.n_semaphores = static_cast<int32_t>(counters);
+    }
+  }
+  // A variant with a tile handout (the 16-bit chunk tile: spec.tile_handout) runs a persistent grid of
+  // one CTA per SM slot when the call has more tiles than slots: each CTA takes its next tile from one
+  // zero-at-rest counter as it finishes one, in the launch's order (the ragged list's longest first),
+  // and its next tile's K/V stream in under its current tile's last blocks and stores. Not with split
+  // counters: the fused merge walks each CTA's static tiles (so splits > 1 keep one CTA per tile).
+  p.tile_counter = nullptr;
+  p.n_tile_counters = 0;
+  p.max_ctas = std::numeric_limits<int32_t>::max();
+  const int64_t slots = int64_t{dev.num_sms} * r.variant->ctas_per_sm;
+  if (r.variant->tile_handout && splits == 1 && tiles > slots && DynamicTilesEnabled()) {
+    if (int32_t *pool = ZeroedCounters(dev.device, c.stream, 1)) {
+      p.tile_counter = pool;
+      p.n_tile_counters = 1;
+      p.max_ctas = dev.num_sms;
     }
   }
   p.stream = c.stream;

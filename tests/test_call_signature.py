@@ -126,18 +126,33 @@ def test_generated_constants_match_the_family():
 
 
 def test_generated_variant_table_carries_each_kernels_residency():
-    """The handler's split count reads `ctas_per_sm` from the generated table: the kernel config's value
-    (kernels/config.py) for every KV-cache variant, 1 where a family does not say."""
-    from fa4_jax.ops.kvcache.spec import KVCacheVariant, ctas_per_sm
+    """The handler's split count reads `ctas_per_sm`, and its choice of a tile handout `tile_handout`,
+    from the generated table: the kernel config's values (kernels/config.py) for every KV-cache variant,
+    1 and false where a family does not say."""
+    from fa4_jax.ops.kvcache.spec import KVCacheVariant, ctas_per_sm, tile_handout
 
+    handouts = set()
     for fam in FAMILIES:
         menu = list(fam.default_menu())
         inc = codegen.generate_family_inc(fam, menu, "test")
         for v in menu:
             want = fam.ctas_per_sm(v) if fam.ctas_per_sm else 1
-            assert re.search(rf'\{{"{v.symbol}", .*&{v.symbol}_module, {want}, &kVariantInfos\[', inc), v.symbol
+            handout = bool(fam.tile_handout and fam.tile_handout(v))
+            if handout:
+                handouts.add(v)
+            assert re.search(rf'\{{"{v.symbol}", .*&{v.symbol}_module, {want}, {str(handout).lower()}, '
+                             rf'&kVariantInfos\[', inc), v.symbol
     fp8 = KVCacheVariant("sm90", "bf16", 128, "local", False, kv_fp8=True)
     assert ctas_per_sm(fp8) == 2 and ctas_per_sm(KVCacheVariant("sm100", "bf16", 128, "local", False)) == 1
+    # The handout: the 16-bit SM90 chunk tile (contiguous, or paged in 16-row pieces), nothing else.
+    assert handouts and all(v.arch == "sm90" and v.tile_m == 128 and not v.kv_fp8 and v.page_rows == 16
+                            for v in handouts)
+    assert tile_handout(KVCacheVariant("sm90", "bf16", 128, "local", False, paged=True, tile_m=128))
+    for other in (KVCacheVariant("sm90", "bf16", 128, "local", False, tile_m=64),
+                  KVCacheVariant("sm90", "bf16", 128, "local", False, paged=True, tile_m=128, page_rows=1),
+                  KVCacheVariant("sm90", "bf16", 128, "local", False, tile_m=128, kv_fp8=True),
+                  KVCacheVariant("sm100", "bf16", 128, "local", False, tile_m=128)):
+        assert not tile_handout(other), other
 
 
 def test_unvalidated_arches_need_the_calls_opt_in():

@@ -62,7 +62,7 @@ def test_generated_rows_launch_and_load_their_combine():
         assert f'static const ::fa4_jax::VariantInfo {s}_info{{"{s}", &{s}_module}};' in inc
     for i, v in enumerate(menu):
         c = COMBINE.of(v).symbol
-        assert re.search(rf'\{{"{v.symbol}", \{{[^}}]*\}}, &{v.symbol}_launch, &{v.symbol}_module, \d, '
+        assert re.search(rf'\{{"{v.symbol}", \{{[^}}]*\}}, &{v.symbol}_launch, &{v.symbol}_module, \d, (?:true|false), '
                          rf'&kVariantInfos\[{i}\], "{c}", &{c}_launch, &{c}_module\}},', inc), v.symbol
         assert f"static const ::fa4_jax::VariantInfo *const {v.symbol}_companions[] = {{&{c}_info}};" in inc
         assert f'{{"{v.symbol}", &{v.symbol}_module, {v.symbol}_companions, 1}},' in inc

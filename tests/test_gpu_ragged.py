@@ -7,13 +7,15 @@ rows past cu_seqlens_q[-1] (o = 0, lse = -inf or the sink)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fa4_jax
-from accuracy import check_against_reference
+from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import KVCACHE, KVCacheVariant
 from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for, tile_m_for
 from gpu_menu import device_arch, require_variant
@@ -28,8 +30,9 @@ DECODE = ((700, 1, 300, 0, 767, 64, 5), (1, 1, 1, 0, 1, 1, 1))
 H_Q, H_K, HD, CAP = 8, 2, 128, 768
 
 
-def _case(seed, page_size, lens_counts=MIXED, hd=HD):
+def _case(seed, page_size, lens_counts=MIXED, hd=HD, cap=CAP):
     LENS, COUNTS = lens_counts
+    CAP = cap
     rng = np.random.default_rng(seed)
     b = len(LENS)
     cu = np.concatenate([[0], np.cumsum(COUNTS)]).astype(np.int32)
@@ -59,6 +62,24 @@ def _variant(page_size, opts, max_rows, hd=HD):
                           tile_m_for(max_rows * (H_Q // H_K)), page_rows_for(page_size) if page_size else PAGE_ROWS)
 
 
+def _oracle(q, cu, lens, dense, opts, hd):
+    """The fp32 oracle of a ragged call, per sequence on its keys (dense: the unpoisoned caches):
+    o (total_q, H_Q, hd) and lse (H_Q, total_q); rows no sequence owns get o = 0 and lse = -inf or
+    the sink."""
+    o_r = jnp.zeros(q.shape, jnp.float32)
+    lse_r = jnp.full((H_Q, q.shape[0]), -jnp.inf, jnp.float32)
+    if opts.get("sinks") is not None:
+        lse_r = jnp.broadcast_to(jnp.asarray(opts["sinks"], jnp.float32)[:, None], lse_r.shape)
+    for b, n in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        kd, vd = (jnp.asarray(d[b:b + 1, :n], jnp.bfloat16) for d in dense)
+        ob, lb = attention_oracle(q[None, rows], kd, vd, softmax_scale=hd ** -0.5, xp=jnp, **opts)
+        o_r, lse_r = o_r.at[rows].set(ob[0]), lse_r.at[:, rows].set(lb[0])
+    return o_r, lse_r
+
+
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["auto_splits", "splits3"])
 @pytest.mark.parametrize("options", ["causal", "everything"])
 @pytest.mark.parametrize("page_size", [None, 1, 5, 16, 48, 64],
@@ -82,17 +103,7 @@ def test_ragged_kernel_matches_oracle(kernel_variants, batch, page_size, options
 
     o, lse = run("fa4")
     o_x, lse_x = run("xla")
-    o_r = jnp.zeros(q.shape, jnp.float32)
-    lse_r = jnp.full((H_Q, q.shape[0]), -jnp.inf, jnp.float32)
-    if opts.get("sinks") is not None:
-        lse_r = jnp.broadcast_to(jnp.asarray(opts["sinks"], jnp.float32)[:, None], lse_r.shape)
-    for i, n in enumerate(LENS):
-        rows = slice(int(cu[i]), int(cu[i + 1]))
-        if rows.start == rows.stop:
-            continue
-        kd, vd = (jnp.asarray(d[i:i + 1, :n], jnp.bfloat16) for d in dense)
-        ob, lb = attention_oracle(q[None, rows], kd, vd, softmax_scale=hd ** -0.5, xp=jnp, **opts)
-        o_r, lse_r = o_r.at[rows].set(ob[0]), lse_r.at[:, rows].set(lb[0])
+    o_r, lse_r = _oracle(q, cu, LENS, dense, opts, hd)
     assert bool(jnp.all(jnp.isfinite(o))), "a ragged row came out non-finite"
     check_against_reference((o[None], lse[None]), (o_x[None], lse_x[None]), (o_r[None], lse_r[None]),
                             what=f"ragged {batch} hd{hd} page={page_size} {options} splits={num_splits}")
@@ -118,3 +129,56 @@ def test_ragged_kernel_is_one_launch_reading_pages_in_place(kernel_variants):
     gathers = [line for line in text.splitlines() if "stablehlo.gather" in line]
     assert not [g for g in gathers if "bf16" in g], f"the page pool must be read in place: {gathers}"
     assert "has_tile_list = true" in text, "max_seqlen_q 512: the tiles with rows, listed"
+
+
+# More 128-row chunk tiles than an H100/H200 has SMs (132): (32 + 47 + 3 + 1 + 0 + 22 + 17) m-blocks x 2 KV
+# heads = 244 listed tiles (plus decodes' and empty rows' none), chunks from 1 to 1500 rows, some
+# starting at the sequence's first key (count == length), some on top of a cached context.
+HANDOUT = ((2048, 1500, 2000, 1, 0, 700, 1100), (1024, 1500, 77, 1, 0, 700, 513))
+HANDOUT_CAP = 2048
+
+
+@pytest.mark.parametrize("options", ["causal", "everything"])
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "page64"])
+def test_ragged_chunk_tiles_handed_out(kernel_variants, monkeypatch, page_size, options):
+    """With more chunk tiles than SM slots, the 16-bit chunk tile runs a persistent grid that takes its
+    tiles from one zero-at-rest counter (ffi/kvcache.cc, spec.tile_handout; the default) instead of one
+    CTA per tile (FA4_JAX_DYNAMIC_TILES=0, as when the counter pool cannot serve a call). A tile
+    computes the same way whichever CTA runs it: both give the same bits. Against the oracle per
+    sequence, with NaN past every length and in every page no sequence owns; three calls in one
+    program, each right -- a counter a launch left non-zero would hand the next launch's tiles out
+    from the middle, leaving its first tiles unwritten (the outputs are poisoned first)."""
+    opts = dict(OPTION_CASES[options])
+    LENS, COUNTS = HANDOUT
+    q, k, v, lens, cu, table, dense = _case(41 + (page_size or 0), page_size, HANDOUT, HD, HANDOUT_CAP)
+    variant = _variant(page_size, opts, max(COUNTS), HD)
+    require_variant(kernel_variants, variant)
+    from fa4_jax.ops.kvcache.spec import tile_handout
+
+    assert variant.tile_m == 128 and tile_handout(variant), variant
+    table = None if table is None else jnp.asarray(table)
+    call = functools.partial(fa4_jax.attention_with_kvcache, cu_seqlens_q=cu, page_table=table,
+                             max_seqlen_q=max(COUNTS), return_lse=True, **opts)
+    qs = (q, -q, (0.5 * q).astype(q.dtype))
+
+    @jax.jit
+    def three(q, k, v, lens):
+        return [call(x, k, v, lens, implementation="fa4") for x in (q, -q, (0.5 * q).astype(q.dtype))]
+
+    outs = {}
+    for dynamic in ("1", "0"):
+        monkeypatch.setenv("FA4_JAX_DYNAMIC_TILES", dynamic)
+        poison_allocator(*[(q.shape, q.dtype), ((H_Q, q.shape[0]), jnp.float32)] * 3)
+        outs[dynamic] = jax.device_get(three(q, k, v, lens))
+    for i, x in enumerate(qs):
+        for j in range(2):  # o, lse
+            np.testing.assert_array_equal(outs["1"][i][j], outs["0"][i][j],
+                                          err_msg=f"call {i}: tiles handed out vs one CTA per tile, output {j}")
+    xla = jax.jit(lambda *a: call(*a, implementation="xla"))
+    for i, x in enumerate(qs):
+        o_r, lse_r = _oracle(x, cu, LENS, dense, opts, HD)
+        o, lse = (jnp.asarray(y) for y in outs["1"][i])
+        assert bool(jnp.all(jnp.isfinite(o))), f"call {i}: a ragged row came out non-finite"
+        o_x, lse_x = xla(x, k, v, lens)
+        check_against_reference((o[None], lse[None]), (o_x[None], lse_x[None]), (o_r[None], lse_r[None]),
+                                what=f"call {i} of three in one program, tiles handed out, page={page_size} {options}")

@@ -140,3 +140,25 @@ def test_dense_short_tile_variants_and_config():
     assert cfg.consumer_regs + cfg.producer_regs == 2 * SM90_REGS // (cfg.ctas_per_sm * cfg.num_threads)
     assert cfg.separate_o and cfg.ctas_per_sm * (cfg.smem_bytes + 1024) <= SM90_SMEM_BYTES + 1024
     assert Sm90FwdConfig.for_variant(replace(short[0], tile_m=0)).tile_m == 192
+
+
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+def test_chunk_tile_hands_out_tiles_and_shares_its_paged_copies(hd):
+    """The 16-bit chunk tile (tile_m 128) takes its tiles from the handler's counter (tile_handout), and
+    paged in 16-row pieces all four producer warps issue its TMA pieces, an equal share each
+    (copy_warps; the kernel refuses a share that is not whole). Nothing else does either: the decode
+    tiles, one-row pages (the whole producer warpgroup gathers rows) and FP8 chunks (producer warps
+    1-3 widen)."""
+    for paged in (False, True):
+        cfg = kvcache_config(hd, 128, paged)
+        assert cfg.tile_handout
+        assert cfg.copy_warps == (4 if paged else 1)
+        assert (cfg.tile_n // 16) % cfg.copy_warps == 0
+        decode = kvcache_config(hd, 64, paged)
+        assert not decode.tile_handout and decode.copy_warps == 1
+    rows1 = kvcache_config(hd, 128, True, page_rows=1)
+    assert not rows1.tile_handout and rows1.copy_warps == 1
+    if hd in FP8_HEAD_DIMS:
+        for paged in (False, True):
+            fp8 = kvcache_config(hd, 128, paged, True)
+            assert not fp8.tile_handout and fp8.copy_warps == 1

@@ -316,6 +316,7 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
         "  int32_t (*launch_fn)(void *state, const Params &p);",
         "  ::fa4_jax::Module *module;",
         "  int ctas_per_sm;  // resident per SM (the kernel's configuration)",
+        "  bool tile_handout;  // its kernel takes tiles from a counter the handler passes (a persistent grid)",
         "  const ::fa4_jax::VariantInfo *registry;  // its kVariantInfos row: loads it and its companions",
         *[line for c in family.companions for line in (
             f"  const char *{c.name}_symbol;  // companion {c.variant.__name__}",
@@ -350,9 +351,10 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
     for i, v in enumerate(menu):
         key = ", ".join(k.literal(getattr(v, k.name)) for k in family.key)
         ctas = family.ctas_per_sm(v) if family.ctas_per_sm else 1
+        handout = "true" if family.tile_handout and family.tile_handout(v) else "false"
         comp = "".join(f', "{c.of(v).symbol}", &{c.of(v).symbol}_launch, &{c.of(v).symbol}_module'
                        for c in family.companions)
-        out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module, {ctas}, &kVariantInfos[{i}]'
+        out.append(f'    {{"{v.symbol}", {{{key}}}, &{v.symbol}_launch, &{v.symbol}_module, {ctas}, {handout}, &kVariantInfos[{i}]'
                    f'{comp}}},')
     out.append("};")
     out.append("extern const int kNumVariants = kNumVariantsHere;")

@@ -273,6 +273,9 @@ class KernelFamily:
     # CTAs of a variant resident per SM (its kernel configuration), emitted into the generated
     # Variant table as `ctas_per_sm` for the handler's work split; None: 1 for every variant.
     ctas_per_sm: Callable[[Any], int] | None = None
+    # Whether a variant's kernel takes its tiles from a zero-at-rest counter the handler passes (a
+    # persistent grid: kernels/tile_scheduler.py TileHandout), emitted as `tile_handout`; None: false.
+    tile_handout: Callable[[Any], bool] | None = None
     # Kernels compiled apart and launched after a variant's own (Companion).
     companions: tuple[Companion, ...] = ()
 

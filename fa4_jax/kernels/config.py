@@ -60,6 +60,13 @@ class Sm90FwdConfig:
     # consumer warpgroup of warp mmas with K and V as register operands: no fp16 buffers, a merge
     # buffer for the warps' partial results instead.
     fp8_decode: bool = False
+    # KV-cache tiles on a persistent grid that takes its tiles from the handler's zero-at-rest counter
+    # (tile_scheduler.TileHandout, as the dense kernel's causal tiles): the 16-bit chunk tile, whose
+    # ragged launches hold several tiles per SM. (The dense kernel always has it: fwd_sm90.py.)
+    tile_handout: bool = False
+    # Producer warps issuing a paged block's TMA pieces (each its share: pieces w, w + copy_warps, ...);
+    # 1: warp 0 alone. The paged 16-bit chunk tile uses all four (kvcache_config).
+    copy_warps: int = 1
 
     def __post_init__(self):
         if self.fp8_decode:
@@ -246,10 +253,24 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
             raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
         producer_regs, consumer_regs = 40, 232
 
+    # The 16-bit chunk tile takes its tiles from a counter (tile_handout): a ragged prefill holds ~8 tiles
+    # per SM, each of which would otherwise pay a CTA's start (Q, the first K/V blocks) and end (the
+    # last PV gemm, O's stores) with nothing beside them. Not the FP8 chunk tile (its widening warps
+    # walk the tiles themselves) nor one-row pages (the whole producer warpgroup gathers rows).
+    handout = tile_m == 128 and not kv_fp8 and not (paged and page_rows == 1)
+    # Its paged block's 16 TMA boxes per tensor (8 pieces of 16 rows, two swizzle halves each), their
+    # page lookups and shuffles, ~425 producer instructions per block, went through warp 0, on the
+    # sub-partition of one warp of each consumer warpgroup: those consumer warps fell behind in their
+    # softmax, and the other warpgroup waited at the ping-pong turn (Nsight Compute, ragged chunks
+    # page 64: 4.5x the contiguous kernel's turn waits). Spread over the four producer warps, one per
+    # sub-partition, the step runs 2.5% faster (H100, docs/PERF.md 2026-12-06, tenth session).
+    copy_warps = 4 if handout and paged else 1
+
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
-                             producer_widens_v=producer_widens, producer_widens_k=widens_k)
+                             producer_widens_v=producer_widens, producer_widens_k=widens_k, tile_handout=handout,
+                             copy_warps=copy_warps)
 
     return _most_stages(config, max_stages)
 

@@ -19,7 +19,8 @@ ENV = "FA4_JAX_EXPERIMENTS"
 # Name -> one line on what it changes, with a comment on why it might pay. (2026-12-06 measured the
 # eighth session's three, docs/PERF.md: fp8_unmasked_full_blocks became the default,
 # fp8_loader_widens and dense_full_one_tile_per_cta went; the ninth session's fp8_chunk_q_in_regs and
-# fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time.)
+# fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time; the tenth session's
+# paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps.)
 KNOWN: dict[str, str] = {}
 
 

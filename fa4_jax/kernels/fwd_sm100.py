@@ -271,6 +271,7 @@ class FlashAttentionForwardSm100:
         # kernel follows (ops/kvcache/spec.py COMBINE, launched by the handler)
         mKScale: cute.Tensor,  # (h_k,) FP8 caches' scales: no SM100 variant reads FP8 caches (spec.FP8_ARCHES)
         mVScale: cute.Tensor,
+        mTileCounter: cute.Tensor,  # the tile handout's counter: no SM100 KV-cache variant has one (shape (0,))
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -279,6 +280,7 @@ class FlashAttentionForwardSm100:
         ragged: Int32,  # 1: sequence b's rows are [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of s_q
         max_seqlen_q: Int32,  # bounds every sequence's rows (s_q when not ragged): the grid
         n_listed: Int32,  # > 0: the grid is mTileList's tiles (ops/kvcache/tiles.py), else every m-block
+        max_ctas: Int32,  # the tile handout's persistent grid: ignored (one CTA per tile)
         stream: cuda.CUstream,
     ):
         """The KV-cache family's C ABI (the same as fwd_sm90's call_kvcache): one CTA per (m_block, KV

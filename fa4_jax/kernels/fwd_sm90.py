@@ -147,6 +147,19 @@ class FlashAttentionForwardSm90:
             raise ValueError("the FP8 decode tile is the KV-cache family's (pack-GQA rows, `local` mask, split partials)")
         if page_rows not in PAGE_ROWS_CHOICES:
             raise ValueError(f"page_rows must be one of {PAGE_ROWS_CHOICES}; got {page_rows}")
+        # Tiles from the handler's counter (TileHandout) when it passes one: every dense kernel; the
+        # KV-cache tiles whose config says so (cfg.tile_handout: the 16-bit chunk tile). The handout
+        # counts the TMA producer warps in its barriers (warp 0, or cfg.copy_warps of them) and allows
+        # no warps that walk the tiles on their own (the FP8 widening warps, the row gather's).
+        self.tile_handout = self.seams.seqlens is Seqlens.DENSE or (self.seams.seqlens is Seqlens.CACHE
+                                                                     and cfg.tile_handout)
+        if self.tile_handout and (self.kv_gather or cfg.producer_widens_v):
+            raise ValueError("tile_handout: a producer of one TMA warp and no widening warps")
+        if cfg.copy_warps > 1 and not (self.seams.kv_load is KVLoad.PAGED and not self.kv_gather
+                                       and not cfg.producer_widens_v and cfg.copy_warps <= 4
+                                       and (cfg.tile_n // page_rows) % cfg.copy_warps == 0):
+            # Each warp issues whole pieces of every block; the widening warps are not free to.
+            raise ValueError("copy_warps: paged TMA pieces shared out evenly over up to four producer warps")
         if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
             raise ValueError(f"paged tiles need tile_n % {page_rows} == 0 and tile_n % 32 == 0: {cfg.tile_n=}")
 
@@ -184,7 +197,7 @@ class FlashAttentionForwardSm90:
             max_ctas = cutlass.min(max_ctas, Int32((2**31 - 1) // self.cfg.ctas_per_sm)) * self.cfg.ctas_per_sm
         grid = StaticPersistentTileScheduler.grid(num_m_blocks, mQ.shape[2], mQ.shape[3], max_ctas)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
-                    window_left, window_right, mSemaphores=mTileCounter)
+                    window_left, window_right, mTileCounter=mTileCounter)
 
     @cute.jit
     def call_varlen(
@@ -237,6 +250,8 @@ class FlashAttentionForwardSm90:
         # kernel follows (ops/kvcache/spec.py COMBINE, launched by the handler)
         mKScale: cute.Tensor,  # (h_k,) float32: FP8 caches' scales (read by kv_fp8 variants only)
         mVScale: cute.Tensor,
+        mTileCounter: cute.Tensor,  # (1,) int32 zero-at-rest counter: tiles handed out (cfg.tile_handout
+        # variants, TileHandout); (0,): each CTA walks its static sequence
         softmax_scale_log2: Float32,
         softcap_prescale: Float32,
         window_left: Int32,
@@ -245,6 +260,7 @@ class FlashAttentionForwardSm90:
         ragged: Int32,  # 1: sequence b's rows are [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of s_q
         max_seqlen_q: Int32,  # bounds every sequence's rows (s_q when not ragged): the grid
         n_listed: Int32,  # > 0: the grid is mTileList's tiles (ops/kvcache/tiles.py), else every m-block
+        max_ctas: Int32,  # cfg.tile_handout variants: the persistent grid (the SM count), else ignored
         stream: cuda.CUstream,
     ):
         self.expect(Seqlens.CACHE)
@@ -254,19 +270,23 @@ class FlashAttentionForwardSm90:
         mK, mV = [permute_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
         qhead_per_kv = mQ.shape[2] // mK.shape[2]
         num_m_blocks = cute.ceil_div(max_seqlen_q * qhead_per_kv, self.cfg.tile_m)
-        # One CTA per tile: "max_ctas" = every tile. A ragged batch adds the pseudo-batch that
+        # One CTA per tile, or (cfg.tile_handout, as the handler asks) a persistent grid of max_ctas
+        # per SM-slot that takes its tiles from mTileCounter. A ragged batch adds the pseudo-batch that
         # writes the rows no sequence owns.
         # A tile list replaces the (m_block, sequence) grid by its n_listed entries.
         batches = mSeqlensK.shape[0] + ragged
         listed = cutlass.min(n_listed, 1)
         blocks_x_batches = listed * n_listed + (1 - listed) * num_m_blocks * batches
-        total = blocks_x_batches * mK.shape[2] * num_splits
-        grid = StaticPersistentTileScheduler.grid(blocks_x_batches, mK.shape[2], 1, total, num_splits)
+        ctas = blocks_x_batches * mK.shape[2] * num_splits
+        if const_expr(self.tile_handout):
+            ctas = cutlass.min(ctas, cutlass.min(max_ctas, Int32((2**31 - 1) // self.cfg.ctas_per_sm))
+                               * self.cfg.ctas_per_sm)
+        grid = StaticPersistentTileScheduler.grid(blocks_x_batches, mK.shape[2], 1, ctas, num_splits)
         self.launch(grid, stream, mQ, mK, mV, mO, mLSE, mSinks, softmax_scale_log2, softcap_prescale,
                     window_left, window_right, mPageTable=mPageTable, mSeqlensK=mSeqlensK, mOaccum=mOaccum,
                     mLSEaccum=mLSEaccum, mCuSeqlensQ=mCuSeqlensQ, num_splits=num_splits, kv_len=mK.shape[0],
                     num_m_blocks=num_m_blocks, ragged=ragged, mTileList=mTileList, n_listed=n_listed,
-                    mSemaphores=mSemaphores, mKScale=mKScale, mVScale=mVScale)
+                    mSemaphores=mSemaphores, mKScale=mKScale, mVScale=mVScale, mTileCounter=mTileCounter)
 
     def expect(self, seqlens: Seqlens):
         """An entry point adapts one family's C ABI, i.e. the tensors of one seqlens seam."""
@@ -286,7 +306,7 @@ class FlashAttentionForwardSm90:
                window_left, window_right, mPageTable=None, mSeqlensK=None, mOaccum=None, mLSEaccum=None,
                mCuSeqlensQ=None, mCuSeqlensK=None, mSequsedK=None, num_splits=None, kv_len=None,
                num_m_blocks=None, ragged=None, mTileList=None, n_listed=None, mSemaphores=None, mKScale=None,
-               mVScale=None):
+               mVScale=None, mTileCounter=None):
         """TMA descriptors, shared storage and the launch of `kernel`, for the seams' tensors (the
         others None). K/V, and Q and O where TMA moves them, are (rows, d, h[, b]) here."""
         cfg, seams = self.cfg, self.seams
@@ -343,7 +363,7 @@ class FlashAttentionForwardSm90:
 
         self.kernel(
             mQ, mK, mV, mPageTable, mSeqlensK, mO, mLSE, mOaccum, mLSEaccum, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
-            mTileList, mSemaphores, mKScale, mVScale,
+            mTileList, mSemaphores, mKScale, mVScale, mTileCounter,
             mSinks, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, softmax_scale_log2, softcap_prescale,
             window_left, window_right, num_splits, kv_len, num_m_blocks, ragged, n_listed, sQ_layout, sKV_layout,
             sKV16_layout, sV16_layout, tiled_mma_qk, tiled_mma_pv,
@@ -395,7 +415,7 @@ class FlashAttentionForwardSm90:
             fields["sO"] = smem(sO_size)
         if self.seams.epilogue is Epilogue.SPLIT_PARTIALS:
             fields["merge_flag"] = cute.struct.MemRange[Int32, 1]  # split_epilogue.merge_splits_if_last's verdict
-        if self.seams.seqlens is Seqlens.DENSE:
+        if self.tile_handout:
             fields["next_tile"] = cute.struct.MemRange[Int32, 1]  # TileHandout's slot
         fields.update(phase_times.smem_fields(self.stamps.on))
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -513,11 +533,12 @@ class FlashAttentionForwardSm90:
         copies that use it; K_j and V_j share one lookup. Returns the advanced (state, q_state)."""
         if const_expr(lookup is None):
             lookup = lambda n: (Int32(0), Int32(0))  # noqa: E731 - contiguous: nothing to look up
+        acquire = self._producer_acquire
         # producer_commit: a no-op for TMA (the copies complete the barrier's transaction bytes); the
         # cp.async gather's arrive on the full barrier once the thread's copies have landed.
         k_page, k_within = lookup(n_block_max - 1)
         next_page, next_within = lookup(n_block_max - 2)
-        pipe_k.producer_acquire(state)
+        acquire(pipe_k, state)
         copy_k(n_block_max - 1, state.index, pipe_k.producer_get_barrier(state), k_page, k_within)
         pipe_k.producer_commit(state)
         self.stamps.producer_at(phase_times.FIRST_K_ISSUED)
@@ -532,18 +553,33 @@ class FlashAttentionForwardSm90:
             next_page, next_within = lookup(n_prev - 2)
             prev = state.clone()
             state.advance()
-            pipe_k.producer_acquire(state)
+            acquire(pipe_k, state)
             copy_k(n_prev - 1, state.index, pipe_k.producer_get_barrier(state), k_page, k_within)
             pipe_k.producer_commit(state)
-            pipe_v.producer_acquire(prev)
+            acquire(pipe_v, prev)
             copy_v(n_prev, prev.index, pipe_v.producer_get_barrier(prev), v_page, v_within)
             pipe_v.producer_commit(prev)
             v_page, v_within = k_page, k_within
-        pipe_v.producer_acquire(state)
+        acquire(pipe_v, state)
         copy_v(n_block_min, state.index, pipe_v.producer_get_barrier(state), v_page, v_within)
         pipe_v.producer_commit(state)
         state.advance()
         return state, q_state
+
+    @cute.jit
+    def _producer_acquire(self, pipe, state):
+        """A K/V stage for the producer's copies: wait until it is free, and (warp 0) arm its full
+        barrier for the block's bytes. With cfg.copy_warps > 1 the other warps only wait: their TMA
+        pieces complete transaction bytes on the same barrier, which cannot complete its phase before
+        warp 0's arrive (the arrive and its expected bytes come together, and a transaction count may
+        run below zero until then)."""
+        if const_expr(self.cfg.copy_warps > 1):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                pipe.producer_acquire(state)
+            else:
+                pipe.sync_object_empty.wait(state.index, state.phase)
+        else:
+            pipe.producer_acquire(state)
 
     # ------------------------------------------------------------------------------------------
     # Device side.
@@ -564,10 +600,10 @@ class FlashAttentionForwardSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSequsedK: Optional[cute.Tensor],
         mTileList: Optional[cute.Tensor],  # KV cache: (sequence, m_block) pairs when n_listed > 0
-        mSemaphores: Optional[cute.Tensor],  # zero-at-rest counters: KV cache: the fused combine's (TileProblem);
-        # dense: the tile handout's (TileHandout)
+        mSemaphores: Optional[cute.Tensor],  # KV cache: zero-at-rest counters of the fused combine (TileProblem)
         mKScale: Optional[cute.Tensor],  # FP8 K/V: (h_k,) float32 scales
         mVScale: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],  # self.tile_handout: (1,) the handout's counter, or (0,)
         mSinks: cute.Tensor,
         tma_atom_Q: Optional[cute.CopyAtom],
         tma_atom_K: Optional[cute.CopyAtom],  # None: K/V gathered by cp.async (kv_gather)
@@ -624,16 +660,16 @@ class FlashAttentionForwardSm90:
         scheduler, problem = self.make_tile_problem(mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK,
                                                     mSequsedK, window_left, window_right, num_splits, kv_len,
                                                     num_m_blocks, ragged, mTileList, n_listed, mSemaphores)
-        handout = None  # dense: tiles from the handler's counter when it passes one (TileHandout)
-        if const_expr(self.seams.seqlens is Seqlens.DENSE):
-            handout = TileHandout(mSemaphores, storage.next_tile.get_tensor(cute.make_layout(1)), scheduler.total,
-                                  128 * cfg.num_consumer_wg)
+        handout = None  # tiles from the handler's counter when it passes one (TileHandout)
+        if const_expr(self.tile_handout):
+            handout = TileHandout(mTileCounter, storage.next_tile.get_tensor(cute.make_layout(1)), scheduler.total,
+                                  128 * cfg.num_consumer_wg, cfg.copy_warps)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if const_expr(self.kv_gather):  # the whole producer warpgroup gathers K/V rows
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len)
-            elif warp_idx == 0:
+            elif warp_idx < cfg.copy_warps:  # warp 0, or (paged, cfg.copy_warps) warps sharing its copies
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
             elif const_expr(cfg.producer_widens_v):
@@ -710,6 +746,12 @@ class FlashAttentionForwardSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
         self.stamps.begin_producer()
+        copy_warp = 0  # cfg.copy_warps > 1: which of the warps sharing the copies (warp 0 takes the tiles)
+        if const_expr(cfg.copy_warps > 1):
+            copy_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if const_expr(handout is not None):
+                if copy_warp > 0:
+                    handout.consumers_begin()
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -723,7 +765,13 @@ class FlashAttentionForwardSm90:
                                                 tma_atom_V, pipe_q, pipe_k, pipe_v, state, q_state, work,
                                                 problem, heads_per_kv, kv_len)
             if const_expr(handout is not None):
-                tile_idx = handout.producer_next(tile_idx)
+                if const_expr(cfg.copy_warps > 1):
+                    if copy_warp == 0:
+                        tile_idx = handout.producer_next(tile_idx)
+                    else:
+                        tile_idx = handout.consumer_next(tile_idx)
+                else:
+                    tile_idx = handout.producer_next(tile_idx)
             else:
                 tile_idx = scheduler.next(tile_idx)
         if const_expr(self.kv_gather):
@@ -765,7 +813,7 @@ class FlashAttentionForwardSm90:
         """The K/V copies of one tile's (KV head, sequence) (loaders.KVLoader)."""
         return KVLoader.create(self.cfg, self.seams.kv_load is KVLoad.PAGED, mK, mV, mPageTable, sK, sV, tma_atom_K,
                                tma_atom_V, head_kv, batch, seqlen.offset_k, varlen, kv_len, self.page_rows,
-                               cute.arch.thread_idx()[0] % 128)
+                               cute.arch.thread_idx()[0] % 128, self.cfg.copy_warps)
 
     @cute.jit
     def widen_kv(self, pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler: StaticPersistentTileScheduler,
@@ -904,7 +952,8 @@ class FlashAttentionForwardSm90:
             epi.tma_store_drain(cfg, tidx)
         if const_expr(self.seams.epilogue is Epilogue.SPLIT_PARTIALS):
             # The fused combine runs after the CTA's tiles (one per CTA in a split launch), where
-            # nothing of the mainloop is live: in the epilogue it made causal softcap spill.
+            # nothing of the mainloop is live: in the epilogue it made causal softcap spill. It walks
+            # the static sequence: the handler never passes split counters with a tile counter.
             self.stamps.consumer_at(phase_times.MERGE_START)
             if problem.fused_combine():
                 tile_idx = scheduler.first()

@@ -50,8 +50,10 @@ def compile_variant(variant: KVCacheVariant):
     sinks = fake_f32(1, unit_stride=False)
     semaphores = fake_i32(1)
     k_scale, v_scale = fake_f32(1, unit_stride=False), fake_f32(1, unit_stride=False)
+    tile_counter = fake_i32(1)
     f32, i32 = cutlass.Float32(1.0), cutlass.Int32(1)
     return cute.compile(
         make_kernel(variant), q, k, v, page_table, seqlens, cu_seqlens_q, tile_list, o, lse, o_accum, lse_accum,
-        sinks, semaphores, k_scale, v_scale, f32, f32, i32, i32, i32, i32, i32, i32, cuda.CUstream(0), options=compile_options(variant.arch),
+        sinks, semaphores, k_scale, v_scale, tile_counter, f32, f32, i32, i32, i32, i32, i32, i32, i32,
+        cuda.CUstream(0), options=compile_options(variant.arch),
     )

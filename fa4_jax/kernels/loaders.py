@@ -80,11 +80,12 @@ class KVLoader:
     page_row: cute.Tensor | None  # paged: mPageTable[batch, None]
     page_size: Int32 | None  # paged only
     page_rows: int = PAGE_ROWS  # paged: rows per piece (PAGE_ROWS_CHOICES)
-    tidx: Int32 | None = None  # page_rows 1: the thread's index in the producer warpgroup
+    tidx: Int32 | None = None  # paged: the thread's index in the producer warpgroup
+    copy_warps: int = 1  # paged TMA pieces: the producer warps sharing each block's (SM90 cfg.copy_warps)
 
     @staticmethod
     def create(cfg, paged: bool, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, head, batch, offset_k,
-               varlen: bool, page_size, page_rows: int = PAGE_ROWS, tidx=None):
+               varlen: bool, page_size, page_rows: int = PAGE_ROWS, tidx=None, copy_warps: int = 1):
         if const_expr(paged and page_rows == 1):
             # (page_size, d, num_pages) of this head: rows are addressed one by one.
             return KVLoader(cfg, paged, mK[None, None, head, None], sK, mV[None, None, head, None], sV, None, None,
@@ -95,7 +96,7 @@ class KVLoader:
             gK = cute.flat_divide(mK[None, None, head, None], (page_rows, cfg.head_dim))
             gV = cute.flat_divide(mV[None, None, head, None], (page_rows, cfg.head_dim))
             return KVLoader(cfg, paged, gK, sK, gV, sV, tma_atom_K, tma_atom_V, mPageTable[batch, None], page_size,
-                            page_rows)
+                            page_rows, tidx, copy_warps)
         tile = (cfg.tile_n, cfg.head_dim)
         gK = cute.local_tile(sequence_rows(mK, head, batch, offset_k, varlen), tile, (None, 0))
         gV = cute.local_tile(sequence_rows(mV, head, batch, offset_k, varlen), tile, (None, 0))
@@ -155,13 +156,23 @@ class KVLoader:
         if const_expr(self.paged and self.page_rows == 1):
             self._gather_rows(g, s, stage, page, within)
         elif const_expr(self.paged):
-            # Box j takes piece j's page from lane j.
+            # Box j takes piece j's page from lane j. With copy_warps > 1, producer warp w issues
+            # pieces w, w + copy_warps, ... (every warp looked up the whole block).
             s_pieces = cute.flat_divide(s[None, None, stage], (self.page_rows, cfg.head_dim))
             page = cutlass.max(cutlass.min(page, g.shape[4] - 1), 0)  # into the pool (lookup)
-            for j in cutlass.range_constexpr(cfg.tile_n // self.page_rows):
-                src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
-                tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
-                cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
+            pieces = cfg.tile_n // self.page_rows
+            if const_expr(self.copy_warps > 1):
+                warp = cute.arch.make_warp_uniform(self.tidx // 32)
+                for jj in cutlass.range_constexpr(pieces // self.copy_warps):
+                    j = jj * self.copy_warps + warp
+                    src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
+                    tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
+                    cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
+            else:
+                for j in cutlass.range_constexpr(pieces):
+                    src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
+                    tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
+                    cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
         else:
             cute.copy(atom, g[None, n_block], s[None, stage], tma_bar_ptr=barrier)
 

@@ -139,16 +139,19 @@ class TileHandout:
     (sNext) with two named barriers: TILE_FULL (written) and TILE_EMPTY (read by every consumer, so it
     may be overwritten). Every CTA takes indices until it gets one past the last tile: `total`
     increments in all, and the one that returns total - 1 is the launch's last, which puts the
-    counter back to zero."""
+    counter back to zero. With producer_warps > 1 (paged copies spread over the producer warpgroup)
+    warp 0 takes the indices and the other producer warps read them as the consumers do
+    (consumers_begin, consumer_next)."""
 
     mCounter: cute.Tensor  # (n,) int32, n = 0 or 1
     sNext: cute.Tensor | None  # (1,) int32 shared memory
     total: Int32
     consumer_threads: int
+    producer_warps: int = 1
 
     @property
     def _threads(self) -> int:
-        return self.consumer_threads + 32  # the consumers and the producer warp
+        return self.consumer_threads + 32 * self.producer_warps  # the consumers and the producer warps
 
     @cute.jit
     def consumers_begin(self):

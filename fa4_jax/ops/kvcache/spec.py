@@ -185,6 +185,17 @@ def ctas_per_sm(variant: KVCacheVariant) -> int:
                           variant.page_rows).ctas_per_sm
 
 
+def tile_handout(variant: KVCacheVariant) -> bool:
+    """Whether `variant` takes its tiles from the handler's counter on a persistent grid (the SM90
+    config's tile_handout: the 16-bit chunk tile); read by the code generator at build time only."""
+    if variant.arch != "sm90":
+        return False
+    from fa4_jax.kernels.config import kvcache_config
+
+    return kvcache_config(variant.head_dim, variant.tile_m, variant.paged, variant.kv_fp8,
+                          variant.page_rows).tile_handout
+
+
 def default_menu() -> tuple[KVCacheVariant, ...]:
     """Every arch (the SM100 kernels opt-in, as the dense ones: families.VALIDATED_ARCHES), dtype,
     head dim, softcap, cache layout, query tile and page piece."""
@@ -279,6 +290,11 @@ _PARAMS = (
     Field("int32_t", "ragged", "1: rows from cu_seqlens_q (rows past cu_seqlens_q[b] get o = 0); 0: s_q per sequence"),
     Field("int32_t", "max_seqlen_q", "bounds every sequence's queries (s_q when not ragged): the grid's m-blocks"),
     Field("int32_t", "n_listed", "tiles in tile_list (the grid's (sequence, m_block) tiles); 0 = no list"),
+    Field("int32_t *", "tile_counter", "(n_tile_counters,) a zero-at-rest counter (runtime.h ZeroedCounters) from "
+                                       "which a tile_handout variant's persistent grid takes its tiles; null = "
+                                       "one CTA per tile"),
+    Field("int32_t", "n_tile_counters", "1 with tile_counter, else 0"),
+    Field("int32_t", "max_ctas", "tile_handout variants: the persistent grid (the SM count; ignored by others)"),
 )
 
 CALL = CallSignature(
@@ -345,6 +361,7 @@ _TENSORS = (
     TensorArg("mSemaphores", "p.semaphores", ("p.n_semaphores",), ("1",)),
     TensorArg("mKScale", "p.k_scale", ("p.h_k",), ("1",)),
     TensorArg("mVScale", "p.v_scale", ("p.h_k",), ("1",)),
+    TensorArg("mTileCounter", "p.tile_counter", ("p.n_tile_counters",), ("1",)),
 )
 _COMBINE_TENSORS = ("mOaccum", "mLSEaccum", "mO", "mLSE", "mSinks")
 
@@ -372,7 +389,7 @@ KVCACHE = KernelFamily(
     params=_PARAMS,
     tensors=_TENSORS,
     scalars=params_as_scalars(_PARAMS, *SOFTMAX_SCALARS,
-                              "num_splits", "ragged", "max_seqlen_q", "n_listed"),
+                              "num_splits", "ragged", "max_seqlen_q", "n_listed", "max_ctas"),
     key=ATTENTION_KEY + (KeyField("paged", "bool", bool_literal), KeyField("tile_m", "int", int_literal),
                          KeyField("page_rows", "int", int_literal), KeyField("kv_fp8", "bool", bool_literal)),
     enums={"Mask": (MASK,)},
@@ -382,6 +399,7 @@ KVCACHE = KernelFamily(
     default_menu=default_menu,
     kernel_mask=kernel_mask,
     ctas_per_sm=ctas_per_sm,
+    tile_handout=tile_handout,
     companions=(COMBINE,),
     entries=tuple(PublicEntry(f"attention_with_kvcache ({layout})", "attention_with_kvcache",
                               (("seqlen_q == 1", 1, 128), ("seqlen_q > 1", 16, 128), ("a prefill chunk", 512, 2048)),
