@@ -206,6 +206,16 @@ def test_kvcache_split_merge_paths(built, monkeypatch, fuse):
                                 what=f"call {i} of three in one program, FA4_JAX_FUSE_COMBINE={fuse}")
 
 
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "page64"])
+def test_kvcache_chunk_batch_tiles_handed_out(built, page_size):
+    """A (batch, seqlen_q) chunk call with more 128-row tiles than SM slots (4 x ceil(700 x 4 / 128) x
+    2 KV heads = 176 > 132) takes the chunk tile's handout (ffi/kvcache.cc: one split, a counter): the
+    non-ragged grid (every m-block of every sequence, no tile list), a short sequence whose rows end
+    inside the chunk (700 queries on 700 keys) and a shared first page; against the oracle, twice."""
+    run_kv_case(built, b=4, s_q=700, h_q=8, h_k=2, lens=[2048, 700, 1500, 1999], capacity=2048,
+                opts=dict(causal=True), page_size=page_size, seed=23)
+
+
 @pytest.mark.parametrize("num_splits", [2, 17])
 @pytest.mark.parametrize("rows", ["rows4", "rows64", "rows128"])
 @pytest.mark.parametrize("hd", [64, 128, 256])

@@ -131,52 +131,66 @@ def test_ragged_kernel_is_one_launch_reading_pages_in_place(kernel_variants):
     assert "has_tile_list = true" in text, "max_seqlen_q 512: the tiles with rows, listed"
 
 
-# More 128-row chunk tiles than an H100/H200 has SMs (132): (32 + 47 + 3 + 1 + 0 + 22 + 17) m-blocks x 2 KV
-# heads = 244 listed tiles (plus decodes' and empty rows' none), chunks from 1 to 1500 rows, some
-# starting at the sequence's first key (count == length), some on top of a cached context.
+# More 128-row chunk tiles than an H100/H200 has SMs (132): 123 (sequence, m_block) entries with rows
+# (the pseudo-sequence's included), 128 listed with the list's padding (ops/kvcache/tiles.py), x 2 KV
+# heads = 256 tiles; chunks from 1 to 1500 rows, some starting at the sequence's first key
+# (count == length), some on top of a cached context.
 HANDOUT = ((2048, 1500, 2000, 1, 0, 700, 1100), (1024, 1500, 77, 1, 0, 700, 513))
 HANDOUT_CAP = 2048
 
 
-@pytest.mark.parametrize("options", ["causal", "everything"])
-@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "page64"])
-def test_ragged_chunk_tiles_handed_out(kernel_variants, monkeypatch, page_size, options):
+@pytest.mark.parametrize("page_size,options,hd", [(None, "causal", 128), (None, "everything", 128),
+                                                  (64, "causal", 128), (64, "everything", 128), (64, "causal", 256)],
+                         ids=["contiguous-causal", "contiguous-everything", "page64-causal", "page64-everything",
+                              "page64-causal-hd256"])
+def test_ragged_chunk_tiles_handed_out(kernel_variants, monkeypatch, page_size, options, hd):
     """With more chunk tiles than SM slots, the 16-bit chunk tile runs a persistent grid that takes its
     tiles from one zero-at-rest counter (ffi/kvcache.cc, spec.tile_handout; the default) instead of one
     CTA per tile (FA4_JAX_DYNAMIC_TILES=0, as when the counter pool cannot serve a call). A tile
     computes the same way whichever CTA runs it: both give the same bits. Against the oracle per
     sequence, with NaN past every length and in every page no sequence owns; three calls in one
     program, each right -- a counter a launch left non-zero would hand the next launch's tiles out
-    from the middle, leaving its first tiles unwritten (the outputs are poisoned first)."""
+    from the middle, leaving its first tiles unwritten (the outputs are poisoned first). hd256: 64-key
+    blocks, one 16-row piece per producer warp and block (paged).
+
+    The two settings run two different programs (the calls in another order): the handler reads
+    FA4_JAX_DYNAMIC_TILES when XLA runs it, and an executable's command buffer replays what it
+    recorded, so re-running the same program could time the handout against itself."""
     opts = dict(OPTION_CASES[options])
     LENS, COUNTS = HANDOUT
-    q, k, v, lens, cu, table, dense = _case(41 + (page_size or 0), page_size, HANDOUT, HD, HANDOUT_CAP)
-    variant = _variant(page_size, opts, max(COUNTS), HD)
+    q, k, v, lens, cu, table, dense = _case(41 + (page_size or 0) + hd, page_size, HANDOUT, hd, HANDOUT_CAP)
+    variant = _variant(page_size, opts, max(COUNTS), hd)
     require_variant(kernel_variants, variant)
     from fa4_jax.ops.kvcache.spec import tile_handout
 
+    if variant.arch != "sm90":
+        pytest.skip("the KV-cache tile handout is SM90's")
     assert variant.tile_m == 128 and tile_handout(variant), variant
     table = None if table is None else jnp.asarray(table)
     call = functools.partial(fa4_jax.attention_with_kvcache, cu_seqlens_q=cu, page_table=table,
                              max_seqlen_q=max(COUNTS), return_lse=True, **opts)
     qs = (q, -q, (0.5 * q).astype(q.dtype))
 
-    @jax.jit
-    def three(q, k, v, lens):
-        return [call(x, k, v, lens, implementation="fa4") for x in (q, -q, (0.5 * q).astype(q.dtype))]
+    def three(order):
+        @jax.jit
+        def run(q, k, v, lens):
+            xs = (q, -q, (0.5 * q).astype(q.dtype))
+            outs = {i: call(xs[i], k, v, lens, implementation="fa4") for i in order}
+            return [outs[i] for i in range(3)]
+        return run
 
     outs = {}
-    for dynamic in ("1", "0"):
+    for dynamic, order in (("1", (0, 1, 2)), ("0", (2, 1, 0))):
         monkeypatch.setenv("FA4_JAX_DYNAMIC_TILES", dynamic)
         poison_allocator(*[(q.shape, q.dtype), ((H_Q, q.shape[0]), jnp.float32)] * 3)
-        outs[dynamic] = jax.device_get(three(q, k, v, lens))
+        outs[dynamic] = jax.device_get(three(order)(q, k, v, lens))
     for i, x in enumerate(qs):
         for j in range(2):  # o, lse
             np.testing.assert_array_equal(outs["1"][i][j], outs["0"][i][j],
                                           err_msg=f"call {i}: tiles handed out vs one CTA per tile, output {j}")
     xla = jax.jit(lambda *a: call(*a, implementation="xla"))
     for i, x in enumerate(qs):
-        o_r, lse_r = _oracle(x, cu, LENS, dense, opts, HD)
+        o_r, lse_r = _oracle(x, cu, LENS, dense, opts, hd)
         o, lse = (jnp.asarray(y) for y in outs["1"][i])
         assert bool(jnp.all(jnp.isfinite(o))), f"call {i}: a ragged row came out non-finite"
         o_x, lse_x = xla(x, k, v, lens)

@@ -316,7 +316,8 @@ def generate_family_inc(family: KernelFamily, menu: list, dsl_version: str) -> s
         "  int32_t (*launch_fn)(void *state, const Params &p);",
         "  ::fa4_jax::Module *module;",
         "  int ctas_per_sm;  // resident per SM (the kernel's configuration)",
-        "  bool tile_handout;  // its kernel takes tiles from a counter the handler passes (a persistent grid)",
+        "  bool tile_handout;  // its kernel takes tiles from a counter the handler passes (the family's"
+        " tile_handout hook; false without one -- the dense family's handler decides by mask on its own)",
         "  const ::fa4_jax::VariantInfo *registry;  // its kVariantInfos row: loads it and its companions",
         *[line for c in family.companions for line in (
             f"  const char *{c.name}_symbol;  // companion {c.variant.__name__}",

@@ -274,7 +274,8 @@ class KernelFamily:
     # Variant table as `ctas_per_sm` for the handler's work split; None: 1 for every variant.
     ctas_per_sm: Callable[[Any], int] | None = None
     # Whether a variant's kernel takes its tiles from a zero-at-rest counter the handler passes (a
-    # persistent grid: kernels/tile_scheduler.py TileHandout), emitted as `tile_handout`; None: false.
+    # persistent grid: kernels/tile_scheduler.py TileHandout), emitted as `tile_handout`; None: false
+    # (the dense family has no hook: every dense kernel has the handout, and ffi/fwd.cc decides by mask).
     tile_handout: Callable[[Any], bool] | None = None
     # Kernels compiled apart and launched after a variant's own (Companion).
     companions: tuple[Companion, ...] = ()
