@@ -160,19 +160,14 @@ class KVLoader:
             # pieces w, w + copy_warps, ... (every warp looked up the whole block).
             s_pieces = cute.flat_divide(s[None, None, stage], (self.page_rows, cfg.head_dim))
             page = cutlass.max(cutlass.min(page, g.shape[4] - 1), 0)  # into the pool (lookup)
-            pieces = cfg.tile_n // self.page_rows
+            warp = 0  # one copy warp: j is a compile-time index
             if const_expr(self.copy_warps > 1):
                 warp = cute.arch.make_warp_uniform(self.tidx // 32)
-                for jj in cutlass.range_constexpr(pieces // self.copy_warps):
-                    j = jj * self.copy_warps + warp
-                    src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
-                    tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
-                    cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
-            else:
-                for j in cutlass.range_constexpr(pieces):
-                    src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
-                    tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
-                    cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
+            for jj in cutlass.range_constexpr(cfg.tile_n // self.page_rows // self.copy_warps):
+                j = jj * self.copy_warps + warp
+                src = g[None, None, cute.arch.shuffle_sync(within, j), 0, cute.arch.shuffle_sync(page, j)]
+                tS, tG = tma_tile_copy(atom, src, s_pieces[None, None, j, 0])
+                cute.copy(atom, tG, tS, tma_bar_ptr=barrier)
         else:
             cute.copy(atom, g[None, n_block], s[None, stage], tma_bar_ptr=barrier)
 
