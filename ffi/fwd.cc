@@ -11,8 +11,6 @@
 #include "fa4_fwd.inc"  // generated: Params, Key, kVariants, Call, Resolved, the binding
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <string>
 

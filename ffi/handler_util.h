@@ -24,13 +24,16 @@ inline ffi::Error InvalidArgument(const char *target, const std::string &msg) {
 
 inline bool FitsInt32(int64_t x) { return x >= 0 && x <= std::numeric_limits<int32_t>::max(); }
 
-// Persistent grids that take their tiles from a zero-at-rest counter (kernels/tile_scheduler.py
-// TileHandout: dense causal/windowed calls, the KV-cache chunk tile). FA4_JAX_DYNAMIC_TILES=0 gives
-// one CTA per tile instead (tests and A/B timing of both paths).
-inline bool DynamicTilesEnabled() {
-  const char *v = std::getenv("FA4_JAX_DYNAMIC_TILES");
+// A handler's switch for tests and A/B timing of two launch paths: on unless the variable is "0".
+inline bool EnvSwitchOn(const char *name) {
+  const char *v = std::getenv(name);
   return v == nullptr || std::string(v) != "0";
 }
+
+// Persistent grids that take their tiles from a zero-at-rest counter (kernels/tile_scheduler.py
+// TileHandout: dense causal/windowed calls, the KV-cache chunk tile). FA4_JAX_DYNAMIC_TILES=0 gives
+// one CTA per tile instead.
+inline bool DynamicTilesEnabled() { return EnvSwitchOn("FA4_JAX_DYNAMIC_TILES"); }
 
 // The kernels take scales as float32 and exponentiate with exp2: each must be a positive normal
 // float32 (a denormal is flushed to zero on the GPU; inf would turn every row into NaN).

@@ -20,8 +20,6 @@
 #include "fa4_kvcache.inc"  // generated: Params, Key, kVariants, Call, Resolved, kTileM, ..., the binding
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <string>
 
@@ -30,10 +28,7 @@ namespace {
 
 ffi::Error Invalid(const std::string &msg) { return InvalidArgument(kTarget, msg); }
 
-bool FuseCombineEnabled() {
-  const char *v = std::getenv("FA4_JAX_FUSE_COMBINE");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
+bool FuseCombineEnabled() { return EnvSwitchOn("FA4_JAX_FUSE_COMBINE"); }
 
 }  // namespace
 

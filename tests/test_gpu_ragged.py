@@ -17,7 +17,7 @@ import pytest
 import fa4_jax
 from accuracy import check_against_reference, poison_allocator
 from fa4_jax.families import KVCACHE, KVCacheVariant
-from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for, tile_m_for
+from fa4_jax.ops.kvcache.spec import MASK, PAGE_ROWS, page_rows_for, tile_handout, tile_m_for
 from gpu_menu import device_arch, require_variant
 from oracle import OPTION_CASES, attention_oracle
 
@@ -161,8 +161,6 @@ def test_ragged_chunk_tiles_handed_out(kernel_variants, monkeypatch, page_size, 
     q, k, v, lens, cu, table, dense = _case(41 + (page_size or 0) + hd, page_size, HANDOUT, hd, HANDOUT_CAP)
     variant = _variant(page_size, opts, max(COUNTS), hd)
     require_variant(kernel_variants, variant)
-    from fa4_jax.ops.kvcache.spec import tile_handout
-
     if variant.arch != "sm90":
         pytest.skip("the KV-cache tile handout is SM90's")
     assert variant.tile_m == 128 and tile_handout(variant), variant

@@ -154,7 +154,7 @@ class FlashAttentionForwardSm90:
         self.tile_handout = self.seams.seqlens is Seqlens.DENSE or (self.seams.seqlens is Seqlens.CACHE
                                                                      and cfg.tile_handout)
         if self.tile_handout and (self.kv_gather or cfg.producer_widens_v):
-            raise ValueError("tile_handout: a producer of one TMA warp and no widening warps")
+            raise ValueError("tile_handout: TMA producer warps only (no row gather, no widening warps)")
         if cfg.copy_warps > 1 and not (self.seams.kv_load is KVLoad.PAGED and not self.kv_gather
                                        and not cfg.producer_widens_v and cfg.copy_warps <= 4
                                        and (cfg.tile_n // page_rows) % cfg.copy_warps == 0):
