@@ -1,4 +1,4 @@
-"""The FP8 chunk tile's widening addresses (fa4_jax/kernels/fp8_widen_layout.py) on the CPU: the three
+"""The FP8 chunk tile's widening addresses (fa4_jax/kernels/fp8_widen_layout.py) on the CPU: the widening
 warps' lanes and passes copy every element of a block exactly once, inside their stage, and neither
 the 8-byte loads nor the 16-byte stores conflict in shared-memory banks. (That the formulas are
 CuTe's layouts of the stages, fwd_sm90.check_widen_layouts checks when the kernels compile.)"""
@@ -13,8 +13,8 @@ from fa4_jax.kernels import fp8_widen_layout as wl
 from smem_banks import wavefronts
 
 TILE_N = 128
-# Every (head_dim, widening warps) the chunk tile compiles: three warps beside the loads' (a fourth,
-# the loads' warp widening too, measured slower on 2026-12-06: docs/PERF.md).
+# Every (head_dim, widening warps) the chunk tile compiles: its widening warpgroup's four (three producer
+# warps beside the loads' ran until 2026-12-06's eleventh session, docs/PERF.md).
 SHAPES = pytest.mark.parametrize("hd,warps", [(hd, wl.WARPS) for hd in wl.HEAD_DIMS])
 
 

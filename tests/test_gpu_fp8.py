@@ -166,7 +166,7 @@ def test_fp8_dtypes_head_dims(built, dtype, hd, page_size):
 def test_fp8_wgmma_tiles_dtypes_head_dims(built, dtype, hd, page_size, s_q, tile_m):
     """Each wgmma FP8 tile at both head dims and q dtypes, contiguous and in 16-row page pieces: s_q 9
     (36 packed rows: the 64-row tile, V widened by two producer warps, K by the consumer) and s_q 100
-    (400 rows: the 128-row chunk tile, K and V widened by three producer warps: fp8_widen_layout's
+    (400 rows: the 128-row chunk tile, K and V widened by its widening warpgroup: fp8_widen_layout's
     hd64 and hd128 row maps); a sequence shorter than the chunk, one ending inside a block, one long."""
     from fa4_jax.ops.kvcache import api
 

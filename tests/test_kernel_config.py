@@ -64,17 +64,37 @@ def test_fp8_decode_runs_two_ctas_per_sm(hd, stages, rows1_stages, paged):
 
 @pytest.mark.parametrize("hd,stages", [(64, 4), (128, 2)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fp8_chunk_tile_widens_k_and_v_in_the_producer(monkeypatch, hd, stages, paged):
+def test_fp8_chunk_tile_widens_k_and_v_in_its_own_warpgroup(monkeypatch, hd, stages, paged):
     """The FP8 chunk tile (two consumer warpgroups, ping-pong, one CTA per SM): both warpgroups read
-    every block, so the producer widens K and V into two fp16 rings of `stages` (as many as fit beside
-    the FP8 stages and Q: hd128 fills all but a KB of the 227); 2 x 232 + 40 registers fill the
-    launch's 168 x 384. One-row pages (no producer warps to spare) have no such tile."""
+    every block, so K and V are widened into two fp16 rings of `stages` (as many as fit beside the FP8
+    stages and Q: hd128 fills all but a KB of the 227), by a fourth warpgroup (four warps, one per SM
+    sub-partition, 32 rows of each block each) after the consumers'. 512 threads launch with 128
+    registers each, which the four budgets fill exactly; paged, the loads' warp keeps 40 and its
+    warpgroup's other three warps (free now) share the block's TMA pieces. One-row pages (no producer
+    warps to spare) have no such tile."""
+    from fa4_jax.kernels import fp8_widen_layout as wl
+    from fa4_jax.kernels.fwd_sm90 import FlashAttentionForwardSm90
+    from fa4_jax.kernels.seams import FwdSeams
+
     monkeypatch.delenv("FA4_JAX_EXPERIMENTS", raising=False)  # the shipped tile, whatever the environment
     cfg = kvcache_config(hd, 128, paged, True, 16)
     assert (cfg.producer_widens_k, cfg.producer_widens_v, cfg.ctas_per_sm, cfg.warpgroup_pingpong) == \
         (True, True, 1, True)
-    assert (cfg.tile_n, cfg.stages, cfg.consumer_regs, cfg.producer_regs) == (128, stages, 232, 40)
-    assert 2 * cfg.consumer_regs + cfg.producer_regs == 3 * (SM90_REGS // cfg.num_threads // 8 * 8)  # 3 x 168
+    assert (cfg.widen_wg, cfg.num_threads, wl.WARPS, wl.rows_per_warp(cfg.tile_n, wl.WARPS)) == (True, 512, 4, 32)
+    assert (cfg.tile_n, cfg.stages) == (128, stages)
+    assert (cfg.producer_regs, cfg.consumer_regs, cfg.widen_regs) == ((40, 216, 40) if paged else (24, 224, 40))
+    assert 2 * cfg.consumer_regs + cfg.producer_regs + cfg.widen_regs == 4 * (SM90_REGS // cfg.num_threads)
+    assert cfg.copy_warps == (4 if paged else 1)
+    assert FlashAttentionForwardSm90(cfg, "local", False, FwdSeams.kvcache(paged)).widen_warps == (12, 13, 14, 15)
+    with pytest.raises(ValueError, match="widen_wg: setmaxnreg takes a multiple of 8 >= 24"):
+        replace(cfg, widen_regs=36)
+    with pytest.raises(ValueError, match="register budget exceeded"):
+        replace(cfg, consumer_regs=232)
+    with pytest.raises(ValueError, match="producer_widens_k goes with widen_wg"):
+        replace(cfg, widen_wg=False)
+    # Every other KV-cache tile keeps three warpgroups.
+    assert kvcache_config(hd, 128, paged, False, 16).num_threads == 384
+    assert not kvcache_config(hd, 64, paged, True, 16).widen_wg
     per_stage = cfg.tile_n * hd * (2 + 4)  # FP8 K + V, fp16 K + V
     assert cfg.smem_bytes <= cfg.smem_limit < cfg.smem_bytes + per_stage
     with pytest.raises(ValueError, match="the two-warpgroup tile needs the producer's widening"):
@@ -146,9 +166,9 @@ def test_dense_short_tile_variants_and_config():
 def test_chunk_tile_hands_out_tiles_and_shares_its_paged_copies(hd):
     """The 16-bit chunk tile (tile_m 128) takes its tiles from the handler's counter (tile_handout), and
     paged in 16-row pieces all four producer warps issue its TMA pieces, an equal share each
-    (copy_warps; the kernel refuses a share that is not whole). Nothing else does either: the decode
-    tiles, one-row pages (the whole producer warpgroup gathers rows) and FP8 chunks (producer warps
-    1-3 widen)."""
+    (copy_warps; the kernel refuses a share that is not whole). The FP8 chunk tile shares its paged
+    pieces so too, but walks its tiles statically (its widening warpgroup does); the decode tiles and
+    one-row pages (the whole producer warpgroup gathers rows) do neither."""
     for paged in (False, True):
         cfg = kvcache_config(hd, 128, paged)
         assert cfg.tile_handout
@@ -161,4 +181,4 @@ def test_chunk_tile_hands_out_tiles_and_shares_its_paged_copies(hd):
     if hd in FP8_HEAD_DIMS:
         for paged in (False, True):
             fp8 = kvcache_config(hd, 128, paged, True)
-            assert not fp8.tile_handout and fp8.copy_warps == 1
+            assert not fp8.tile_handout and fp8.copy_warps == (4 if paged else 1)

@@ -48,9 +48,9 @@ class Sm90FwdConfig:
     # fp16 buffers beside the consumer's gemms, instead of the consumer widening it into one buffer
     # between them (one-row pages keep the latter: their whole producer warpgroup gathers rows).
     producer_widens_v: bool = False
-    # ... and K too, into a second ring, by three warps (WIDEN_WARPS_KV; the FP8 chunk tile of two
-    # consumer warpgroups: both read every widened block, so no warpgroup can widen one for the other
-    # between its own gemms).
+    # ... and K too, into a second ring (the FP8 chunk tile of two consumer warpgroups: both read every
+    # widened block, so no warpgroup can widen one for the other between its own gemms), by a
+    # warpgroup of its own (widen_wg).
     producer_widens_k: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
@@ -67,6 +67,12 @@ class Sm90FwdConfig:
     # Producer warps issuing a paged block's TMA pieces (each its share: pieces w, w + copy_warps, ...);
     # 1: warp 0 alone. The paged 16-bit chunk tile uses all four (kvcache_config).
     copy_warps: int = 1
+    # The FP8 chunk tile (producer_widens_k): K and V are widened by a fourth warpgroup after the
+    # consumers' (four warps, one per SM sub-partition, 32 rows of each block each) at setmaxnreg
+    # widen_regs; the producer warpgroup only loads. Three producer warps widening (48 / 48 / 32 rows
+    # on three sub-partitions) were 1.03-1.04x its time (docs/PERF.md, 2026-12-06, eleventh session).
+    widen_wg: bool = False
+    widen_regs: int = 0
 
     def __post_init__(self):
         if self.fp8_decode:
@@ -77,6 +83,8 @@ class Sm90FwdConfig:
                 raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
         elif self.producer_widens_k and not self.producer_widens_v:
             raise ValueError("producer_widens_k: the producer widens V too")
+        elif self.producer_widens_k != self.widen_wg:
+            raise ValueError("producer_widens_k goes with widen_wg: the widening warpgroup widens K and V")
         elif self.producer_widens_k:
             from fa4_jax.kernels import fp8_widen_layout as wl
 
@@ -95,8 +103,11 @@ class Sm90FwdConfig:
         if self.smem_bytes > self.smem_limit:
             raise ValueError(f"tiles need {self.smem_bytes=} > {self.smem_limit} bytes of smem "
                              f"({self.ctas_per_sm} CTAs per SM)")
-        threads = 128 * (self.num_consumer_wg + 1)
-        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs) * self.launch_ctas
+        if self.widen_wg and not (self.widen_regs >= 24 and self.widen_regs % 8 == 0):
+            raise ValueError(f"widen_wg: setmaxnreg takes a multiple of 8 >= 24; got {self.widen_regs=}")
+        threads = self.num_threads
+        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs
+                      + (self.widen_regs if self.widen_wg else 0)) * self.launch_ctas
         if regs > SM90_REGS or threads > 1024:
             raise ValueError(f"register budget exceeded: {regs=} > {SM90_REGS}")
 
@@ -117,7 +128,7 @@ class Sm90FwdConfig:
 
     @property
     def num_threads(self) -> int:
-        return 128 * (self.num_consumer_wg + 1)
+        return 128 * (self.num_consumer_wg + 1 + int(self.widen_wg))
 
     @property
     def _base_smem_bytes(self) -> int:
@@ -184,8 +195,8 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
     64, whether it copies TMA pieces or (one-row pages) gathers rows with its whole warpgroup.
     Decode at hd128 runs two CTAs per SM (ctas_per_sm; see below), except the paged 16-bit tile;
     FP8 decode at hd64 and hd128 does too; its few-row tile (tile_m fp8_decode_layout.TILE_M) is
-    fp8_decode_config's. FP8 chunks (tile_m 128) run the 16-bit chunk tile on K and V that producer
-    warps widen into fp16 rings (producer_widens_k)."""
+    fp8_decode_config's. FP8 chunks (tile_m 128) run the 16-bit chunk tile on K and V that a fourth
+    warpgroup widens into fp16 rings (producer_widens_k, widen_wg: 512 threads of 128 registers)."""
     from fa4_jax.kernels import fp8_decode_layout as lay
 
     if kv_fp8 and tile_m == lay.TILE_M:
@@ -244,14 +255,17 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         # CTAs per SM shared out exactly; at 200 its split merge spilled).
         producer_regs, consumer_regs = 40, 216
     widens_k = kv_fp8 and tile_m == 128
+    widen_regs = 0
     if widens_k:
-        # The FP8 chunk tile: both warpgroups read every block, so the producer widens K as well as V
-        # (two fp16 rings; the FP8 stages are only the widening's source). 2 x 232 + 40 fills the
-        # launch's 168 x 384 registers, as for the paged 16-bit chunk tile. One-row pages have no
-        # producer warps to spare (the whole warpgroup gathers rows): they keep the 64-row tile.
+        # The FP8 chunk tile: both warpgroups read every block, so K is widened as well as V (two fp16
+        # rings; the FP8 stages are only the widening's source), by a warpgroup of its own (widen_wg).
+        # 512 threads launch with 128 registers each: 2 x 224 + 24 (the loads' warp) + 40 (the
+        # widening's 16-row rounds); paged, the loads' warps spill at 24: 2 x 216 + 40 + 40 (the
+        # consumers have no stack frame at 216). One-row pages have no producer warps to spare (the
+        # whole warpgroup gathers rows): they keep the 64-row tile.
         if not producer_widens:
             raise ValueError("FP8 K/V: the two-warpgroup tile needs the producer's widening (no one-row pages)")
-        producer_regs, consumer_regs = 40, 232
+        producer_regs, consumer_regs, widen_regs = (40, 216, 40) if paged else (24, 224, 40)
 
     # The 16-bit chunk tile takes its tiles from a counter (tile_handout): a ragged prefill holds ~8 tiles
     # per SM, each of which would otherwise pay a CTA's start (Q, the first K/V blocks) and end (the
@@ -264,13 +278,15 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
     # softmax, and the other warpgroup waited at the ping-pong turn (Nsight Compute, ragged chunks
     # page 64: 4.5x the contiguous kernel's turn waits). Spread over the four producer warps, one per
     # sub-partition, the step runs 2.5% faster (H100, docs/PERF.md 2026-12-06, tenth session).
-    copy_warps = 4 if handout and paged else 1
+    # Beside the FP8 chunk tile's widening warpgroup the producer warpgroup's warps 1-3 are free, and one
+    # widening warp shares sub-partition 0 with the loads' warp: its paged pieces go over four warps too.
+    copy_warps = 4 if (handout or widens_k) and paged else 1
 
     def config(stages: int) -> Sm90FwdConfig:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
                              producer_widens_v=producer_widens, producer_widens_k=widens_k, tile_handout=handout,
-                             copy_warps=copy_warps)
+                             copy_warps=copy_warps, widen_wg=widens_k, widen_regs=widen_regs)
 
     return _most_stages(config, max_stages)
 

@@ -20,7 +20,8 @@ ENV = "FA4_JAX_EXPERIMENTS"
 # eighth session's three, docs/PERF.md: fp8_unmasked_full_blocks became the default,
 # fp8_loader_widens and dense_full_one_tile_per_cta went; the ninth session's fp8_chunk_q_in_regs and
 # fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time; the tenth session's
-# paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps.)
+# paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps; the eleventh session's
+# fp8_widen_wg too: Sm90FwdConfig.widen_wg.)
 KNOWN: dict[str, str] = {}
 
 

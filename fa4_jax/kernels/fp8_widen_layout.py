@@ -4,13 +4,14 @@ masks and xor only) and tests/test_fp8_widen_layout.py checks on the CPU (every 
 shared-memory bank conflict). The kernel checks both formulas against CuTe's layouts of the stages
 when it compiles.
 
-The tile's three widening warps share each block by rows: warp w takes rows [w R, (w + 1) R), R the
-rows per warp rounded up to the swizzles' 8-row period (the last warp may have fewer). Within its rows a
+The tile's widening warps (a warpgroup of its own, one warp per SM sub-partition) share each block by
+rows: warp w takes rows [w R, (w + 1) R), R the rows per warp rounded up to the swizzles' 8-row period
+(the last warp may have fewer: none at tile_n 128). Within its rows a
 warp copies as CuTe's row_thread_layout of 32 threads would: head_dim / 8 lanes per row, 8 elements
 (8 FP8 bytes in, 16 fp16 bytes out) per lane, 32 / (head_dim / 8) rows per pass. Because a warp's
 first row is a multiple of 8, its addresses are one runtime base plus per-lane offsets that repeat
 every 8 rows (PERIOD_ROWS) plus compile-time constants: few registers, which the 40-register
-producer needs (CuTe's copies kept one address register per pass: a 64-136 byte stack frame).
+widening warps need (CuTe's copies kept one address register per pass: a 64-136 byte stack frame).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 from fa4_jax.kernels.fp8_decode_layout import swizzle as fp8_swizzle
 
 HEAD_DIMS = (64, 128)  # the FP8 swizzles fp8_offset knows (fp8_decode_layout.swizzle)
-WARPS = 3  # widening warps beside the loads' warp (fwd_sm90.WIDEN_WARPS_KV)
+WARPS = 4  # widening warps: the chunk tile's widening warpgroup (Sm90FwdConfig.widen_wg)
 PERIOD_ROWS = 8  # both swizzles repeat every 8 rows
 F16_HALF_COLS = 64  # an fp16 swizzle atom is 64 columns wide
 F16_ROW_BYTES = 2 * F16_HALF_COLS  # ... so a widened stage's rows are 128 bytes (per 64-column half)
 ELEMS = 8  # elements per lane and copy
 # Rows a warp loads before it converts and stores them (8 loads per lane at head_dim 128, 4 at 64: the
-# 40-register producer holds them); a round past the block's end is skipped, so a warp's rows and the
+# 40-register widening warps hold them); a round past the block's end is skipped, so a warp's rows and the
 # block's are multiples of it.
 ROUND_ROWS = 16
 

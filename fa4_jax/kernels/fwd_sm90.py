@@ -11,7 +11,8 @@ Design (FlashAttention-3/4 on Hopper, see docs/DESIGN.md):
 - Warp specialisation: warpgroup 0 is the producer (one warp issues TMA loads of Q once and of K/V
   tiles through a `stages`-deep mbarrier pipeline); warpgroups 1..n are consumers, 64 query rows each,
   issuing wgmma and doing the softmax in registers. setmaxnreg moves registers from producer to
-  consumers.
+  consumers. (The FP8 chunk tile adds a warpgroup after the consumers' that widens K and V to fp16:
+  cfg.widen_wg, widen_kv.)
 - P never touches shared memory: the QK^T accumulator is converted in registers to the A operand of
   the PV wgmma (register-sourced wgmma).
 - Intra-warpgroup overlap: in each step the consumer issues S = Q K_j^T and O += P_{j-1} V_{j-1}
@@ -84,11 +85,9 @@ from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2,
 from fa4_jax.kernels.utils import fp8_q_exponent, wgmma
 from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, sts_b32x4
 
-# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads),
+# FP8 K/V with cfg.producer_widens_v: the producer warps that widen V blocks (warp 0 issues the loads);
+# with cfg.producer_widens_k (and cfg.widen_wg) the widening warpgroup after the consumers' instead.
 WIDEN_WARPS = (1, 2)
-# ... and with cfg.producer_widens_k, K and V blocks: all three warps beside the loads' (each on its own
-# SM sub-partition: the e4m3 -> fp16 conversions' pipe, not the shared memory, bounds the widening).
-WIDEN_WARPS_KV = tuple(range(1, 1 + wl.WARPS))
 # ... each thread's copies of a block in rounds of this many loads, then their stores (40 registers).
 WIDEN_LOADS_PER_ROUND = 8
 
@@ -109,7 +108,12 @@ class FlashAttentionForwardSm90:
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
-        self.widen_warps = WIDEN_WARPS_KV if cfg.producer_widens_k else WIDEN_WARPS
+        self.widen_warps = WIDEN_WARPS
+        if cfg.widen_wg:
+            # K and V, by the warpgroup after the consumers' (one warp per SM sub-partition: their
+            # conversions share the ALU pipe with the consumer warps there, docs/PERF.md).
+            first = 4 * (1 + cfg.num_consumer_wg)
+            self.widen_warps = tuple(range(first, first + wl.WARPS))
         # With cfg.producer_widens_k, V blocks without a sequence end widen unmasked (the row masks
         # cost one SEL per stored word, as much as the conversions: docs/PERF.md 2026-12-06). The
         # widening loop then runs in two phases of (first block index, V rows masked): the highest
@@ -156,7 +160,7 @@ class FlashAttentionForwardSm90:
         if self.tile_handout and (self.kv_gather or cfg.producer_widens_v):
             raise ValueError("tile_handout: TMA producer warps only (no row gather, no widening warps)")
         if cfg.copy_warps > 1 and not (self.seams.kv_load is KVLoad.PAGED and not self.kv_gather
-                                       and not cfg.producer_widens_v and cfg.copy_warps <= 4
+                                       and not (cfg.producer_widens_v and not cfg.widen_wg) and cfg.copy_warps <= 4
                                        and (cfg.tile_n // page_rows) % cfg.copy_warps == 0):
             # Each warp issues whole pieces of every block; the widening warps are not free to.
             raise ValueError("copy_warps: paged TMA pieces shared out evenly over up to four producer warps")
@@ -672,23 +676,42 @@ class FlashAttentionForwardSm90:
             elif warp_idx < cfg.copy_warps:  # warp 0, or (paged, cfg.copy_warps) warps sharing its copies
                 self.load(mQ, mK, mV, mPageTable, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, scheduler, problem, kv_len, handout)
-            elif const_expr(cfg.producer_widens_v):
+            elif const_expr(cfg.producer_widens_v and not cfg.widen_wg):
                 if warp_idx <= self.widen_warps[-1]:
                     self.widen_kv(pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler, problem)
-        else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            if const_expr(self.fp8_decode):
-                self.fp8_tile.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, mKScale, mVScale,
-                                      storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
-                                      storage.merge.data_ptr().toint(), pipe_k, pipe_v, softmax_scale_log2,
-                                      softcap_prescale, scheduler, problem, sMergeFlag)
+        elif const_expr(cfg.widen_wg):
+            # The widening warpgroup comes after the consumers': warps self.widen_warps.
+            if warp_idx >= self.widen_warps[0]:
+                cute.arch.setmaxregister_decrease(cfg.widen_regs)
+                self.widen_kv(pipe_k, pipe_v, pipe_k16, pipe_v16, fp8, scheduler, problem)
             else:
-                # With the producer widening V (and K), the consumers' V (and K) pipeline is the fp16
-                # ring: they read it as the 16-bit kernels do (fp8.sV16 / fp8.sK16 hold its stages).
-                self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
-                             tiled_mma_pv, pipe_q, pipe_k16 if const_expr(cfg.producer_widens_k) else pipe_k,
-                             pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
-                             softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
+                self.consumers(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, mKScale, mVScale, storage, sQ, sK, sV, sO,
+                               tma_atom_O, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16,
+                               softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
+        else:
+            self.consumers(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, mKScale, mVScale, storage, sQ, sK, sV, sO,
+                           tma_atom_O, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16,
+                           softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
+
+    @cute.jit
+    def consumers(self, mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, mKScale, mVScale, storage, sQ, sK, sV, sO,
+                  tma_atom_O, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, pipe_k16, pipe_v16,
+                  softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout):
+        """The consumer warpgroups' part of the kernel: their registers, then their tiles."""
+        cfg = self.cfg
+        cute.arch.setmaxregister_increase(cfg.consumer_regs)
+        if const_expr(self.fp8_decode):
+            self.fp8_tile.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, mKScale, mVScale,
+                                  storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
+                                  storage.merge.data_ptr().toint(), pipe_k, pipe_v, softmax_scale_log2,
+                                  softcap_prescale, scheduler, problem, sMergeFlag)
+        else:
+            # With the producer widening V (and K), the consumers' V (and K) pipeline is the fp16
+            # ring: they read it as the 16-bit kernels do (fp8.sV16 / fp8.sK16 hold its stages).
+            self.consume(mQ, mO, mLSE, mOaccum, mLSEaccum, mSinks, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk,
+                         tiled_mma_pv, pipe_q, pipe_k16 if const_expr(cfg.producer_widens_k) else pipe_k,
+                         pipe_v16 if const_expr(cfg.producer_widens_v) else pipe_v,
+                         softmax_scale_log2, softcap_prescale, scheduler, problem, sMergeFlag, fp8, handout)
 
     @cute.jit
     def make_tile_problem(self, mQ, mK, mPageTable, mSeqlensK, mCuSeqlensQ, mCuSeqlensK, mSequsedK,
