@@ -90,8 +90,6 @@ def test_fp8_chunk_tile_widens_k_and_v_in_its_own_warpgroup(monkeypatch, hd, sta
         replace(cfg, widen_regs=36)
     with pytest.raises(ValueError, match="register budget exceeded"):
         replace(cfg, consumer_regs=232)
-    with pytest.raises(ValueError, match="producer_widens_k goes with widen_wg"):
-        replace(cfg, widen_wg=False)
     # Every other KV-cache tile keeps three warpgroups.
     assert kvcache_config(hd, 128, paged, False, 16).num_threads == 384
     assert not kvcache_config(hd, 64, paged, True, 16).widen_wg

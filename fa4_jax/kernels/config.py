@@ -50,7 +50,7 @@ class Sm90FwdConfig:
     producer_widens_v: bool = False
     # ... and K too, into a second ring (the FP8 chunk tile of two consumer warpgroups: both read every
     # widened block, so no warpgroup can widen one for the other between its own gemms), by a
-    # warpgroup of its own (widen_wg).
+    # warpgroup of its own (widen_wg) rather than the producer's.
     producer_widens_k: bool = False
     # CTAs per SM the launch's register bound is sized for (ptxas min_blocks_per_mp; 0: ctas_per_sm).
     # Only the paged 16-bit decode tile sets it above ctas_per_sm: registers as for two CTAs (the
@@ -67,11 +67,7 @@ class Sm90FwdConfig:
     # Producer warps issuing a paged block's TMA pieces (each its share: pieces w, w + copy_warps, ...);
     # 1: warp 0 alone. The paged 16-bit chunk tile uses all four (kvcache_config).
     copy_warps: int = 1
-    # The FP8 chunk tile (producer_widens_k): K and V are widened by a fourth warpgroup after the
-    # consumers' (four warps, one per SM sub-partition, 32 rows of each block each) at setmaxnreg
-    # widen_regs; the producer warpgroup only loads. Three producer warps widening (48 / 48 / 32 rows
-    # on three sub-partitions) were 1.03-1.04x its time (docs/PERF.md, 2026-12-06, eleventh session).
-    widen_wg: bool = False
+    # setmaxnreg of the widening warpgroup (widen_wg; unused without it).
     widen_regs: int = 0
 
     def __post_init__(self):
@@ -83,8 +79,6 @@ class Sm90FwdConfig:
                 raise ValueError(f"fp8_decode: FP8 K/V, tile {lay.TILE_M} x {lay.TILE_N}, head_dim in {lay.HEAD_DIMS}")
         elif self.producer_widens_k and not self.producer_widens_v:
             raise ValueError("producer_widens_k: the producer widens V too")
-        elif self.producer_widens_k != self.widen_wg:
-            raise ValueError("producer_widens_k goes with widen_wg: the widening warpgroup widens K and V")
         elif self.producer_widens_k:
             from fa4_jax.kernels import fp8_widen_layout as wl
 
@@ -125,6 +119,15 @@ class Sm90FwdConfig:
     @property
     def num_consumer_wg(self) -> int:
         return 1 if self.fp8_decode else self.tile_m // 64
+
+    @property
+    def widen_wg(self) -> bool:
+        """The FP8 chunk tile (producer_widens_k): K and V are widened by a fourth warpgroup after the
+        consumers' (four warps, one per SM sub-partition, 32 rows of each block each) at setmaxnreg
+        widen_regs; the producer warpgroup only loads. Three producer warps widening (48 / 48 / 32
+        rows on three sub-partitions) took 1.03-1.04x its time (docs/PERF.md, 2026-12-06, eleventh
+        session)."""
+        return self.producer_widens_k
 
     @property
     def num_threads(self) -> int:
@@ -286,7 +289,7 @@ def kvcache_config(head_dim: int, tile_m: int = 64, paged: bool = False, kv_fp8:
         return Sm90FwdConfig(head_dim, tile_m, tile_n, stages, consumer_regs, producer_regs, head_dim > 128, pingpong,
                              o_staging=False, ctas_per_sm=ctas, kv_fp8=kv_fp8, launch_bound_ctas=launch_bound,
                              producer_widens_v=producer_widens, producer_widens_k=widens_k, tile_handout=handout,
-                             copy_warps=copy_warps, widen_wg=widens_k, widen_regs=widen_regs)
+                             copy_warps=copy_warps, widen_regs=widen_regs)
 
     return _most_stages(config, max_stages)
 
