@@ -52,6 +52,31 @@ def test_the_build_checks_the_sm100_register_pool_too(monkeypatch, head_dim, pac
         worker._check_register_pool(module, variant, Path("unused.o"))
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_build_counts_the_fp8_chunk_tiles_widening_warpgroup(monkeypatch, paged):
+    # The FP8 chunk tile's fourth warpgroup (the widening: Sm90FwdConfig.widen_wg) has a budget of its
+    # own: 24 + 2 x 224 + 40 (paged 40 + 2 x 216 + 40) = 4 x 128 fill the launch's 128 x 512. Without
+    # it the check asked for 472 x 128 and passed a 120-register launch that would hang.
+    import types
+    from pathlib import Path
+
+    from fa4_jax.aot import cubin, worker
+    from fa4_jax.families import KVCacheVariant
+    from fa4_jax.kernels.config import kvcache_config
+
+    monkeypatch.delenv("FA4_JAX_EXPERIMENTS", raising=False)
+    cfg = kvcache_config(128, 128, paged, True)
+    assert (cfg.num_threads, cfg.warpgroup_regs) == (512, (40, 216, 216, 40) if paged else (24, 224, 224, 40))
+    kernel = types.SimpleNamespace(cfg=cfg, call=None)
+    module = types.SimpleNamespace(make_kernel=lambda variant: types.MethodType(lambda self: None, kernel))
+    variant = KVCacheVariant("sm90", "bf16", 128, "local", False, paged=paged, tile_m=128, kv_fp8=True)
+    monkeypatch.setattr(cubin, "kernel_resources", lambda obj: {ATTN: {"regs": 128}})
+    worker._check_register_pool(module, variant, Path("unused.o"))
+    monkeypatch.setattr(cubin, "kernel_resources", lambda obj: {ATTN: {"regs": 120}})
+    with pytest.raises(worker.AotError, match=r"need 65536 registers, but the kernel launches with 120 x 512"):
+        worker._check_register_pool(module, variant, Path("unused.o"))
+
+
 def test_library_cubins_are_read():
     """One cubin per variant in the library, each with an attention kernel whose launch registers the
     reader finds (the numbers the build checks every variant's budgets against), and one per companion

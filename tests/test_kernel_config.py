@@ -15,13 +15,15 @@ from fa4_jax.ops.kvcache.spec import FP8_HEAD_DIMS, TILE_MS
 
 
 @pytest.mark.parametrize("hd,tile_m,paged,kv_fp8", [c + (False,) for c in itertools.product(HEAD_DIMS, TILE_MS, (False, True))]
-                         + [(hd, TILE_MS[0], paged, True) for hd in FP8_HEAD_DIMS for paged in (False, True)])
+                         + [(hd, tm, paged, True) for hd in FP8_HEAD_DIMS for tm in (TILE_MS[0], 128)
+                            for paged in (False, True)])
 def test_kvcache_configs_fit_their_residency(hd, tile_m, paged, kv_fp8):
     cfg = kvcache_config(hd, tile_m, paged, kv_fp8)
     ctas = cfg.ctas_per_sm
     # Each resident CTA also takes 1 KB the hardware reserves.
     assert ctas * (cfg.smem_bytes + 1024) <= SM90_SMEM_BYTES + 1024  # 228 KB per SM
-    regs = 128 * (cfg.num_consumer_wg * cfg.consumer_regs + cfg.producer_regs)
+    regs = 128 * sum(cfg.warpgroup_regs)
+    assert len(cfg.warpgroup_regs) == cfg.num_threads // 128
     assert ctas * regs <= SM90_REGS
     assert cfg.stages >= 2, "decode needs K/V loads in flight behind the block being computed"
 
@@ -86,6 +88,9 @@ def test_fp8_chunk_tile_widens_k_and_v_in_its_own_warpgroup(monkeypatch, hd, sta
     assert 2 * cfg.consumer_regs + cfg.producer_regs + cfg.widen_regs == 4 * (SM90_REGS // cfg.num_threads)
     assert cfg.copy_warps == (4 if paged else 1)
     assert FlashAttentionForwardSm90(cfg, "local", False, FwdSeams.kvcache(paged)).widen_warps == (12, 13, 14, 15)
+    if paged:  # the pieces are shared out over the producer warps only where the K/V are paged
+        with pytest.raises(ValueError, match="copy_warps: paged TMA pieces shared out evenly"):
+            FlashAttentionForwardSm90(cfg, "local", False, FwdSeams.kvcache(False))
     with pytest.raises(ValueError, match="widen_wg: setmaxnreg takes a multiple of 8 >= 24"):
         replace(cfg, widen_regs=36)
     with pytest.raises(ValueError, match="register budget exceeded"):

@@ -208,6 +208,10 @@ def test_fp8_chunk_tile_widening_warps(fp8_chunk_obj):
     assert res.get("frame", 0) == 0, res
     budgets = {int(m, 16) for m in re.findall(r"USETMAXREG\S*\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text)}
     assert budgets == ({40, 216} if symbol == FP8_CHUNK_PAGED else {24, 40, 224}), budgets
+    # One setmaxnreg per role (loads, consumers, widening) and 128 launch registers x 512 threads, the
+    # pool the four warpgroups' budgets fill exactly.
+    assert len(re.findall(r"USETMAXREG", text)) == 3, re.findall(r"USETMAXREG\S*\s+\S+", text)
+    assert res.get("regs") == 128, res
     converts = len(re.findall(r"F2FP\.F16\.E4M3", text))
     # widen_rows inlined at each call site: the highest block peeled off the loop (its K, the next K,
     # its masked V: fwd_sm90.widen_phases), then the loop's K and unmasked V -- five; at hd128 a

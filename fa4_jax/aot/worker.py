@@ -63,12 +63,9 @@ def _check_register_pool(module, variant, obj: Path) -> None:
     cfg = getattr(getattr(make_kernel(variant), "__self__", None), "cfg", None) if make_kernel else None
     if cfg is None:
         return
-    if hasattr(cfg, "warpgroup_regs"):  # SM100: the softmax warpgroups, the correction, the rest
-        budgets = list(cfg.warpgroup_regs)
-    elif hasattr(cfg, "producer_regs"):  # SM90: the consumer warpgroups, the producer
-        budgets = [cfg.consumer_regs] * cfg.num_consumer_wg + [cfg.producer_regs]
-    else:
+    if not hasattr(cfg, "warpgroup_regs"):  # SM90: producer, consumers (, widening); SM100: its roles
         return
+    budgets = list(cfg.warpgroup_regs)
     problem = register_pool_problem(kernel_resources(obj), cfg.num_threads, budgets, "FlashAttentionForward")
     if problem:
         raise AotError(f"{variant.symbol}: {problem}")

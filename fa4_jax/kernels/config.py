@@ -65,7 +65,7 @@ class Sm90FwdConfig:
     # ragged launches hold several tiles per SM. (The dense kernel always has it: fwd_sm90.py.)
     tile_handout: bool = False
     # Producer warps issuing a paged block's TMA pieces (each its share: pieces w, w + copy_warps, ...);
-    # 1: warp 0 alone. The paged 16-bit chunk tile uses all four (kvcache_config).
+    # 1: warp 0 alone. The paged chunk tiles (16-bit and FP8) use all four (kvcache_config).
     copy_warps: int = 1
     # setmaxnreg of the widening warpgroup (widen_wg; unused without it).
     widen_regs: int = 0
@@ -100,8 +100,7 @@ class Sm90FwdConfig:
         if self.widen_wg and not (self.widen_regs >= 24 and self.widen_regs % 8 == 0):
             raise ValueError(f"widen_wg: setmaxnreg takes a multiple of 8 >= 24; got {self.widen_regs=}")
         threads = self.num_threads
-        regs = 128 * (self.num_consumer_wg * self.consumer_regs + self.producer_regs
-                      + (self.widen_regs if self.widen_wg else 0)) * self.launch_ctas
+        regs = 128 * sum(self.warpgroup_regs) * self.launch_ctas
         if regs > SM90_REGS or threads > 1024:
             raise ValueError(f"register budget exceeded: {regs=} > {SM90_REGS}")
 
@@ -128,6 +127,14 @@ class Sm90FwdConfig:
         rows on three sub-partitions) took 1.03-1.04x its time (docs/PERF.md, 2026-12-06, eleventh
         session)."""
         return self.producer_widens_k
+
+    @property
+    def warpgroup_regs(self) -> tuple[int, ...]:
+        """setmaxnreg of each warpgroup, in warp order: the producer, the consumers, the widening
+        warpgroup (widen_wg). Their sum x 128 threads must fit the launch allocation (checked here
+        against the SM's registers, and by the build against the cubin's: aot/worker.py)."""
+        return ((self.producer_regs,) + (self.consumer_regs,) * self.num_consumer_wg
+                + ((self.widen_regs,) if self.widen_wg else ()))
 
     @property
     def num_threads(self) -> int:

@@ -103,8 +103,8 @@ class FlashAttentionForwardSm90:
                  page_rows: int = PAGE_ROWS):
         # FP8 K/V (cfg.kv_fp8, KV-cache tiles): see dequant(), widen_kv() and quantize_q().
         self.kv_fp8 = cfg.kv_fp8
-        # ... whose V (and K) the consumer widens itself (else the producer's self.widen_warps do:
-        # widen_kv), unless the tile is the few-row FP8 decode tile, which widens nothing in shared memory.
+        # ... whose V (and K) the consumer widens itself (else self.widen_warps do, producer warps or the
+        # widening warpgroup: widen_kv), unless the tile is the few-row FP8 decode tile, which widens nothing in shared memory.
         self.fp8_decode = cfg.fp8_decode
         self.consumer_widens_v = cfg.kv_fp8 and not cfg.producer_widens_v and not cfg.fp8_decode
         self.consumer_widens_k = cfg.kv_fp8 and not cfg.producer_widens_k and not cfg.fp8_decode
@@ -161,8 +161,10 @@ class FlashAttentionForwardSm90:
             raise ValueError("tile_handout: TMA producer warps only (no row gather, no widening warps)")
         if cfg.copy_warps > 1 and not (self.seams.kv_load is KVLoad.PAGED and not self.kv_gather
                                        and not (cfg.producer_widens_v and not cfg.widen_wg) and cfg.copy_warps <= 4
-                                       and (cfg.tile_n // page_rows) % cfg.copy_warps == 0):
-            # Each warp issues whole pieces of every block; the widening warps are not free to.
+                                       and (cfg.tile_n // page_rows) % cfg.copy_warps == 0
+                                       and self.seams.q_load is QLoad.PACKED_GQA):
+            # Each warp issues whole pieces of every block; the widening warps are not free to; a TMA Q
+            # (armed once per tile, load_blocks) would be armed by every copy warp.
             raise ValueError("copy_warps: paged TMA pieces shared out evenly over up to four producer warps")
         if self.seams.kv_load is KVLoad.PAGED and (cfg.tile_n % page_rows or cfg.tile_n % 32):
             raise ValueError(f"paged tiles need tile_n % {page_rows} == 0 and tile_n % 32 == 0: {cfg.tile_n=}")

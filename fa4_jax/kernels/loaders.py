@@ -67,7 +67,8 @@ class KVLoader:
     rows, tile_n / 16 boxes (one per 16-row page piece) from a paged cache with page_rows 16, or
     rows gathered by cp.async with page_rows 1. `k` and `v` have the (n_block, stage, barrier)
     signature of FlashAttentionForwardSm90.load_blocks. TMA: the producer warp calls them (one
-    elected lane issues each box); gather: the whole producer warpgroup does."""
+    elected lane issues each box; paged with copy_warps > 1, each producer warp its share of the
+    pieces); gather: the whole producer warpgroup does."""
 
     cfg: object
     paged: bool
