@@ -4,23 +4,26 @@
 # baseline in the same script (same-run ratios); the board's name comes first, since the issues'
 # targets are the H200's and an H100 often comes instead (docs/PERF.md, each session's entry).
 #
-#   bash tools/board_rows.sh            # everything (~6-8 min on an H100)
-#   ROWS="chunks decode" bash tools/board_rows.sh
+#   bash tools/board_rows.sh            # every row (~4-5 min on an H100)
+#   ROWS="chunks decode generate" bash tools/board_rows.sh
 #
 # Rows: chunks (issue 15: chunked prefill against the dense kernel), fp8 (issue 17: the FP8 cache
-# against the bf16 one, decode and chunks), decode (issue 20: decode device time against cuDNN).
+# against the bf16 one, decode and chunks), decode (issue 20: decode device time against cuDNN),
+# generate (issue 15: examples/generate.py's decode against cuDNN; ~1 min; run without the tests'
+# XLA_FLAGS, whose gemms without autotuning made the whole model 2.4x slower).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-board_rows}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/board.txt"
-for row in ${ROWS:-chunks fp8 decode}; do
+for row in ${ROWS:-chunks fp8 decode generate}; do
   case $row in
     chunks) cmd=(python3 tools/chunk_probe.py) ;;
     fp8) cmd=(python3 tools/fp8_decode_bench.py --rounds 2) ;;
     decode) cmd=(python3 examples/benchmark_decode.py --device-time --rounds 3 --no-paged) ;;
-    *) echo "unknown row $row (chunks, fp8, decode)"; exit 2 ;;
+    generate) cmd=(env -u XLA_FLAGS python3 examples/generate.py) ;;
+    *) echo "unknown row $row (chunks, fp8, decode, generate)"; exit 2 ;;
   esac
   echo "== $row: ${cmd[*]}"
   timeout 300 "${cmd[@]}" > "$out/$row.txt" 2>&1
