@@ -77,30 +77,3 @@ def test_no_bank_conflicts(hd, warps):
         stores = [wl.f16_offset(TILE_N, *e) for e in elems]
         assert wavefronts(loads, 8) == 2, (warp, i)  # 256 bytes: two 128-byte wavefronts
         assert wavefronts(stores, 16) == 4, (warp, i)  # 512 bytes: four
-
-
-@pytest.mark.parametrize("hd", wl.HEAD_DIMS)
-def test_sixteen_bytes_per_lane(hd):
-    """The fp8_widen_16b experiment's map (fp8_widen_layout.lane_position16, fwd_sm90.widen_rows16):
-    every element once, a lane's 16 FP8 bytes contiguous (one 16-byte load) and its fp16 values two
-    contiguous 16-byte chunks, offsets repeating every period shifted by its rows, and neither the
-    loads nor the stores conflicting in banks (a quarter-warp phase: one chunk column of 8 rows)."""
-    warps, periods = wl.WARPS, wl.rows_per_warp(TILE_N, wl.WARPS) // wl.PERIOD_ROWS
-    seen = []
-    for warp, j, p in itertools.product(range(warps), range(periods), range(wl.passes16(hd))):
-        elems = [wl.element_of16(TILE_N, hd, warps, warp, lane, j, p) for lane in range(32)]
-        assert all(e is not None for e in elems)
-        seen += elems
-        loads = [wl.fp8_offset(hd, *e) for e in elems]
-        for (r, c), a8 in zip(elems, loads):
-            assert [wl.fp8_offset(hd, r, c + k) for k in range(16)] == list(range(a8, a8 + 16))
-            for half in (0, 8):
-                a16 = wl.f16_offset(TILE_N, r, c + half)
-                assert [wl.f16_offset(TILE_N, r, c + half + k) for k in range(8)] == list(range(a16, a16 + 16, 2))
-            e0 = (r - j * wl.PERIOD_ROWS, c)  # the same lane at period 0
-            assert wl.fp8_offset(hd, r, c) == wl.fp8_offset(hd, *e0) + j * wl.PERIOD_ROWS * hd
-            assert wl.f16_offset(TILE_N, r, c) == wl.f16_offset(TILE_N, *e0) + j * wl.PERIOD_ROWS * wl.F16_ROW_BYTES
-        assert wavefronts(loads, 16) == 4, (warp, j, p)  # 512 bytes: four 128-byte wavefronts
-        for half in (0, 8):
-            assert wavefronts([wl.f16_offset(TILE_N, r, c + half) for r, c in elems], 16) == 4, (warp, j, p, half)
-    assert sorted(seen) == [(r, c) for r in range(TILE_N) for c in range(0, hd, 16)]

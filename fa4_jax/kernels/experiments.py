@@ -22,13 +22,7 @@ ENV = "FA4_JAX_EXPERIMENTS"
 # fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time; the tenth session's
 # paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps; the eleventh session's
 # fp8_widen_wg too: Sm90FwdConfig.widen_wg.)
-KNOWN: dict[str, str] = {
-    # Nsight Compute (2026-12-06, eleventh session): beside the bf16 chunk tile the FP8 one's consumers
-    # stall more on short_sb / mio (8% / 4% of their block loop's samples against 3% / 2%): the
-    # widening's 8-byte loads and 16-byte stores share the sub-partitions' MIO queue with them. 16-byte
-    # loads halve the widening's LDS (fp8_widen_layout.lane_position16: conflict-free both ways).
-    "fp8_widen_16b": "FP8 chunk tile: the widening loads 16 FP8 bytes per lane (half the LDS), two 16-byte stores",
-}
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:

@@ -85,28 +85,3 @@ def element_of(tile_n: int, head_dim: int, warps: int, warp: int, lane: int, i: 
     r, col = lane_position(head_dim, lane)
     row = warp * rows_per_warp(tile_n, warps) + i * rows_per_pass(head_dim) + r
     return (row, col) if row < tile_n else None
-
-
-# 16-byte loads (the fp8_widen_16b experiment): a lane takes 16 elements of a row -- one 16-byte FP8
-# chunk in, two 16-byte fp16 chunks out -- so a block takes half the loads. A pass's 32 lanes cover 8
-# rows x 4 chunks (lane l: row l % 8, chunk l // 8 + 4 p at pass p of a period): each quarter-warp
-# phase of a 16-byte access then touches one chunk column of 8 rows, 8 distinct swizzled chunks (no
-# bank conflict, tests/test_fp8_widen_layout.py). head_dim / 64 passes per 8-row period.
-ELEMS16 = 16
-
-
-def passes16(head_dim: int) -> int:
-    """Passes per 8-row period with 16 elements per lane."""
-    return head_dim // 64
-
-
-def lane_position16(lane, p: int):
-    """(row within the period, first column) of a lane at pass p of a period."""
-    return lane % PERIOD_ROWS, (lane // PERIOD_ROWS + 4 * p) * ELEMS16
-
-
-def element_of16(tile_n: int, head_dim: int, warps: int, warp: int, lane: int, j: int, p: int):
-    """(row, first column) a lane of a warp copies at pass p of its period j (None past the block)."""
-    r, col = lane_position16(lane, p)
-    row = warp * rows_per_warp(tile_n, warps) + j * PERIOD_ROWS + r
-    return (row, col) if row < tile_n else None

@@ -73,7 +73,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import experiments, phase_times
+from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -120,8 +120,6 @@ class FlashAttentionForwardSm90:
         # block alone -- the only one that can hold the sequence's end, as n_block_max <=
         # ceil(seqlen_k / tile_n) -- then the others without masks. Else one phase, every block masked.
         self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
-        # The widening warpgroup's 16-byte loads (experiment fp8_widen_16b: widen_offsets16 / widen_rows16).
-        self.widen_16b = cfg.widen_wg and experiments.enabled("fp8_widen_16b")
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -862,7 +860,7 @@ class FlashAttentionForwardSm90:
         if const_expr(cfg.producer_widens_k):
             k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
             k16_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-            offs = self.widen_offsets16(tidx) if const_expr(self.widen_16b) else self.widen_offsets(tidx)
+            offs = self.widen_offsets(tidx)
         tile_idx, num_tiles = scheduler.first(), scheduler.total
         while tile_idx < num_tiles:
             work = scheduler.tile(tile_idx)
@@ -898,10 +896,7 @@ class FlashAttentionForwardSm90:
         pipe8.consumer_wait(state8)
         pipe16.producer_acquire(state16)
         if const_expr(self.cfg.producer_widens_k):
-            if const_expr(self.widen_16b):
-                self.widen_rows16(addrs[0], state8.index, addrs[1], state16.index, tidx, offs, valid_rows)
-            else:
-                self.widen_rows(addrs[0], state8.index, addrs[1], state16.index, tidx, offs, valid_rows)
+            self.widen_rows(addrs[0], state8.index, addrs[1], state16.index, tidx, offs, valid_rows)
         else:
             self.widen_block(s8, state8.index, s16, state16.index, tidx, 32 * len(self.widen_warps), valid_rows,
                              loads_per_round=WIDEN_LOADS_PER_ROUND)
@@ -1340,59 +1335,6 @@ class FlashAttentionForwardSm90:
                     w23 = e4m3x4_to_f16x2x2(word23)
                     out = [w01[0], w01[1], w23[0], w23[1]]
                     sts_b32x4(a16 + off16[i % per] + (i // per) * wl.PERIOD_ROWS * wl.F16_ROW_BYTES, out)
-        cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def widen_offsets16(self, tidx):
-        """widen_offsets for 16 elements per lane (fp8_widen_layout.lane_position16): the warp's first
-        row, then per pass of a period the lane's FP8 offset and its two fp16 chunks' offsets."""
-        cfg = self.cfg
-        hd = cfg.head_dim
-        warp, lane = tidx // 32, tidx % 32
-        first = warp * wl.rows_per_warp(cfg.tile_n, len(self.widen_warps))
-        n = wl.passes16(hd)
-        off8 = cute.make_rmem_tensor(cute.make_layout(n), Int32)
-        off16a = cute.make_rmem_tensor(cute.make_layout(n), Int32)
-        off16b = cute.make_rmem_tensor(cute.make_layout(n), Int32)
-        for p in cutlass.range_constexpr(n):
-            r, col = wl.lane_position16(lane, p)
-            off8[p] = wl.fp8_offset(hd, first + r, col)
-            off16a[p] = wl.f16_offset(cfg.tile_n, first + r, col)
-            off16b[p] = wl.f16_offset(cfg.tile_n, first + r, col + wl.ELEMS)
-        return first, off8, off16a, off16b
-
-    @cute.jit
-    def widen_rows16(self, base8, stage8, base16, stage16, tidx, offs, valid_rows=None):
-        """widen_rows with 16 elements per lane: each round's 16-byte loads (two periods of 8 rows, head_dim /
-        64 passes each), then per load its conversions and two 16-byte stores. Masks as widen_rows."""
-        cfg = self.cfg
-        hd = cfg.head_dim
-        first, off8, off16a, off16b = offs
-        a8 = base8 + stage8 * wl.fp8_stage_bytes(cfg.tile_n, hd)
-        a16 = base16 + stage16 * wl.f16_stage_bytes(cfg.tile_n, hd)
-        lane_row = first + (tidx % 32) % wl.PERIOD_ROWS
-        n = wl.passes16(hd)
-        periods = wl.rows_per_warp(cfg.tile_n, len(self.widen_warps)) // wl.PERIOD_ROWS
-        round_periods = wl.ROUND_ROWS // wl.PERIOD_ROWS
-        assert periods % round_periods == 0, (periods, round_periods)
-        for b in cutlass.range_constexpr(periods // round_periods):
-            if first + b * wl.ROUND_ROWS < cfg.tile_n:
-                words = []
-                for jj in cutlass.range_constexpr(round_periods):
-                    for p in cutlass.range_constexpr(n):
-                        j = b * round_periods + jj
-                        words.append(lds(a8 + off8[p] + j * wl.PERIOD_ROWS * hd, 4))
-                for jj in cutlass.range_constexpr(round_periods):
-                    for p in cutlass.range_constexpr(n):
-                        j = b * round_periods + jj
-                        w = words[jj * n + p]
-                        if const_expr(valid_rows is not None):
-                            keep = Int32(0) - Int32(lane_row + j * wl.PERIOD_ROWS < valid_rows)
-                            w = [x & keep for x in w]
-                        h = [e4m3x4_to_f16x2x2(x) for x in w]
-                        shift = j * wl.PERIOD_ROWS * wl.F16_ROW_BYTES
-                        sts_b32x4(a16 + off16a[p] + shift, [h[0][0], h[0][1], h[1][0], h[1][1]])
-                        sts_b32x4(a16 + off16b[p] + shift, [h[2][0], h[2][1], h[3][0], h[3][1]])
         cute.arch.fence_view_async_shared()
 
     @staticmethod
