@@ -195,6 +195,36 @@ def test_explicit_softmax_scale(built_variants, softmax_scale):
              h_q=4, h_k=4, softmax_scale=softmax_scale)
 
 
+@pytest.mark.parametrize("growth", [0.5, 3.0, 40.0], ids=["rise0.5", "rise3", "rise40"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["hd64", "hd128", "hd256"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_running_max_growth(built_variants, dtype_name, head_dim, causal, growth):
+    """Scores that rise key block after key block in the order the kernel visits them (the highest
+    block first): every 128 keys the row max gains `growth` in log2 units on top of normal scores, so
+    O and the running sum are rescaled on most blocks (at 0.5 by factors near 1, at 40 by ~2^-40), where
+    random scores stop finding a new max after a few blocks and the rescale is skipped (a warp whose
+    rows found none skips it). Near-one-hot rows: a stale max (a rescale threshold above 0, as
+    FlashAttention-4's tau = 8) rounds the dominant P and fails this at hd256."""
+    _require(built_variants, dtype_name, head_dim, causal)
+    dtype = DTYPES[dtype_name]
+    b, s_q, s_k, h = 1, 777, 1500, 4
+    scale = 1.0 / math.sqrt(head_dim)
+    fn = _triple(causal, None)
+    for run in range(2):
+        q, k, v = _inputs(31 + run, b, s_q, s_k, h, h, head_dim, dtype)
+        # Column 0: q = 1, k = a ramp falling with the key index, so key j scores
+        # growth * (s_k - j) / 128 (log2 units) above its normal part.
+        ramp = growth * (s_k - jnp.arange(s_k, dtype=jnp.float32)) / (128 * scale * math.log2(math.e))
+        q = q.at[..., 0].set(1)
+        k = k.at[..., 0].set(jnp.broadcast_to(ramp[None, :, None], (b, s_k, h)).astype(dtype))
+        _poison_allocator(((b, s_q, h, head_dim), dtype), ((b, h, s_q), jnp.float32))
+        ours, xla, ref = fn(q, k, v, None)
+        no_key = ~np.asarray(visible_mask(s_q, s_k, (-1, -1), causal)).any(axis=1)
+        check_against_reference(ours, xla, ref, what=f"{dtype_name} hd{head_dim} causal={causal} rise {growth} run {run}",
+                                no_key=no_key)
+
+
 # --------------------------------------------------------------------------------------------------
 # semantics
 # --------------------------------------------------------------------------------------------------
