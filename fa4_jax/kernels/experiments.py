@@ -21,16 +21,9 @@ ENV = "FA4_JAX_EXPERIMENTS"
 # fp8_loader_widens and dense_full_one_tile_per_cta went; the ninth session's fp8_chunk_q_in_regs and
 # fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time; the tenth session's
 # paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps; the eleventh session's
-# fp8_widen_wg too: Sm90FwdConfig.widen_wg.)
-KNOWN: dict[str, str] = {
-    # Issue 18's lever list: conditional rescaling. The 16-bit / FP8-chunk wgmma tiles multiply O (one
-    # FMUL per O element, FMA pipe) by the running-max factors after every block, though on a long row
-    # they are exactly 1 on most blocks (no row of the warp found a new max): skip those. A threshold
-    # (FlashAttention-4's tau = 8: factors skipped while the max moved by < 2^8) measured 0.95-0.98x on
-    # prefill rows but rounds a near-one-hot row's dominant P (no longer exactly 1) and broke the
-    # accuracy rule at hd256 (0.0069 vs a bound of 0.0050): threshold 0 keeps the numbers bitwise.
-    "conditional_rescale": "two-warpgroup wgmma tiles: a warp skips O's rescale when none of its rows found a new max",
-}
+# fp8_widen_wg too: Sm90FwdConfig.widen_wg; the twelfth session's conditional_rescale went: no gain
+# at threshold 0 or with sums of the rounded P, and tau 8 alone broke the accuracy rule.)
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:

@@ -73,7 +73,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import experiments, phase_times
+from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -82,7 +82,6 @@ from fa4_jax.kernels.tile_problem import TileProblem
 from fa4_jax.kernels.tile_order import lpt_section_pairs
 from fa4_jax.kernels.tile_scheduler import StaticPersistentTileScheduler, TileHandout
 from fa4_jax.kernels.utils import acc_as_frag_a, acc_as_mn, permute_modes, pow2, row_max, store_16bit, transpose_2d
-from fa4_jax.kernels.utils import store_16bit_rounded
 from fa4_jax.kernels.utils import fp8_q_exponent, wgmma
 from fa4_jax.kernels.warp_ptx import e4m3x4_to_f16x2x2, lds, sts_b32x4
 
@@ -121,11 +120,6 @@ class FlashAttentionForwardSm90:
         # block alone -- the only one that can hold the sequence's end, as n_block_max <=
         # ceil(seqlen_k / tile_n) -- then the others without masks. Else one phase, every block masked.
         self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
-        # Experiment conditional_rescale: OnlineSoftmax.step_conditional (a row's max moves only by more
-        # than 2^8; most blocks of a long row then skip O's rescale, one FMUL per O element) with the
-        # running sums of the rounded P (store_16bit_rounded). Tiles of two or more consumer warpgroups
-        # only: the one-warpgroup decode and short tiles have few blocks and live-row votes.
-        self.conditional_rescale = experiments.enabled("conditional_rescale") and cfg.num_consumer_wg > 1
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -1016,12 +1010,6 @@ class FlashAttentionForwardSm90:
             # two-warpgroup chunk tiles: their rows are nearly all live, and the votes and branches
             # in their compute-bound, ping-ponged mainloop cost ~10% (8 x 512 chunks, docs/PERF.md).
             live_rows = seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m
-        vote_rows = None  # conditional rescaling: the tile rows that hold this tile's sequence
-        if const_expr(self.conditional_rescale):
-            if const_expr(seams.q_load is QLoad.PACKED_GQA):
-                vote_rows = seqlen.seqlen_q * problem.qhead_per_kv - work.m_block * cfg.tile_m
-            else:
-                vote_rows = seqlen.seqlen_q - work.m_block * cfg.tile_m
         # O staged in Q's buffer (TMA_STORE without cfg.separate_o): Q is released after the O store
         # has read the buffer, at the end of the epilogue, so that the CTA's next tile may load Q.
         q_after_store = seams.epilogue is Epilogue.TMA_STORE and not cfg.separate_o
@@ -1048,7 +1036,7 @@ class FlashAttentionForwardSm90:
             state = self.mainloop(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale,
                                   s_shape, state, pipe_q, q_state, pipe_k, pipe_v, ScoreMask.create(blocks, tile.tScS, tiled_mma_qk),
                                   tile_softmax, tile_prescale, blocks, work.m_block, n_block_min, n_block_max, tile.wg,
-                                  dtype, sV, tile.tidx, live_rows, tile.fp8, vote_rows)
+                                  dtype, sV, tile.tidx, live_rows, tile.fp8)
             self.stamps.consumer_at(phase_times.MAINLOOP_END)
             if const_expr(seams.q_load is QLoad.TMA and not q_after_store):
                 if const_expr(not cfg.separate_o):
@@ -1090,7 +1078,7 @@ class FlashAttentionForwardSm90:
     def mainloop(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape,
                  state, pipe_q, q_state, pipe_k, pipe_v, mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale,
                  blocks: BlockInfo, m_block, n_block_min, n_block_max, wg, dtype, sV=None, tidx=None, live_rows=None,
-                 fp8=None, vote_rows=None):
+                 fp8=None):
         """All K/V blocks of one query tile (Q already in smem), from the highest block index down:
         the first block carries the seqlen_k boundary and the window's right edge; the phases after
         it are listed in block_info.py. `state` is the K/V consumer state; returns it advanced past
@@ -1131,7 +1119,7 @@ class FlashAttentionForwardSm90:
                        tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP, acc_O=acc_O, o_scale=o_scale,
                        s_shape=s_shape, pipe_k=pipe_k, pipe_v=pipe_v, mask=mask, softmax=softmax,
                        softcap_prescale=softcap_prescale, m_block=m_block, wg=wg, dtype=dtype, live_rows=live_rows,
-                       fp8=fp8, tidx=tidx, seqlen_k=blocks.seqlen.seqlen_k, vote_rows=vote_rows)
+                       fp8=fp8, tidx=tidx, seqlen_k=blocks.seqlen.seqlen_k)
         # Blocks left to do: [n_block_min, n_block_max - 1), highest first.
         hi = n_block_max - 1
         if const_expr(blocks.has_right_edge):
@@ -1156,7 +1144,7 @@ class FlashAttentionForwardSm90:
 
         # Last PV gemm, for the lowest block.
         if const_expr(cfg.rescale_o_before_gemm):
-            self._rescale_before_gemm(acc_O, o_scale)
+            OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, state)
         if const_expr(self.consumer_widens_v):
             self.dequant(fp8.sV8, state.index, fp8.sV16, tidx, wg,
@@ -1173,7 +1161,7 @@ class FlashAttentionForwardSm90:
     def step(self, state, n_block, masked: cutlass.Constexpr[bool], tiled_mma_qk, tiled_mma_pv,
              tSrQ, tSrK, tOrVt, tOrP, acc_O, o_scale, s_shape, pipe_k, pipe_v,
              mask: ScoreMask, softmax: OnlineSoftmax, softcap_prescale, m_block, wg, dtype, live_rows=None,
-             fp8=None, tidx=None, seqlen_k=None, vote_rows=None):
+             fp8=None, tidx=None, seqlen_k=None):
         """One K/V block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax of
         S_j overlapping the PV gemm. `state` points at block j+1's stage on entry. fp8: K_j is
         widened before its gemm (the buffer's last reader, S_{j+1}, is done), and V_{j+1}, unless the
@@ -1194,7 +1182,7 @@ class FlashAttentionForwardSm90:
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_stage], zero_init=True, wait=-1)
         if const_expr(cfg.rescale_o_before_gemm):
-            self._rescale_before_gemm(acc_O, o_scale)
+            OnlineSoftmax.rescale(acc_O, o_scale)
         self._kv_wait(pipe_v, v_state)
         if const_expr(self.consumer_widens_v):
             self.dequant(fp8.sV8, v_state.index, fp8.sV16, tidx, wg, seqlen_k - (n_block + 1) * cfg.tile_n)
@@ -1208,41 +1196,16 @@ class FlashAttentionForwardSm90:
             OnlineSoftmax.softcap(acc_S, softcap_prescale, mask.tScS_mn, live_rows)
         if const_expr(masked):
             mask.apply(acc_S, m_block, n_block, seqlen=False, window=True)
-        if const_expr(self.conditional_rescale):
-            scale, rescaled = softmax.step_conditional(acc_S, mask.tScS_mn, vote_rows)
-        else:
-            scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)
+        scale = softmax.step(acc_S, is_first=False, rows=mask.tScS_mn, live_rows=live_rows)
         warpgroup.wait_group(0)  # PV done: P and V's stage may be reused
         if const_expr(not self.consumer_widens_v):
             pipe_v.consumer_release(v_state)
-        if const_expr(self.conditional_rescale):
-            store_16bit_rounded(tOrP, acc_as_frag_a(acc_S))
-            softmax.add_row_sums(acc_S, scale)
-        else:
-            store_16bit(tOrP, acc_as_frag_a(acc_S))
+        store_16bit(tOrP, acc_as_frag_a(acc_S))
         if const_expr(cfg.rescale_o_before_gemm):
             o_scale.store(scale.load())
-        elif const_expr(self.conditional_rescale):
-            if rescaled:  # warp-uniform
-                OnlineSoftmax.rescale(acc_O, scale)
         else:
             OnlineSoftmax.rescale(acc_O, scale)
         return state
-
-    @cute.jit
-    def _rescale_before_gemm(self, acc_O, factors):
-        """O *= the previous block's running-max factors, before the next PV gemm (hd > 128). With
-        conditional_rescale a warp skips the multiplies when every factor of its rows is exactly 1
-        (nothing rescaled). The factors are exp2(old max - new max) <= 1 (0 for a row without keys
-        yet): a warp-uniform vote on the smallest."""
-        if const_expr(self.conditional_rescale):
-            low = Float32(-1.0)
-            for r in cutlass.range_constexpr(cute.size(factors)):
-                low = cute.arch.fmax(low, -factors[r])
-            if cute.arch.vote_any_sync(low > -1.0):
-                OnlineSoftmax.rescale(acc_O, factors)
-        else:
-            OnlineSoftmax.rescale(acc_O, factors)
 
     @cute.jit
     def clear_v_rows(self, sV, stage, first_row, tidx, wg):

@@ -11,11 +11,6 @@ from cutlass import Float32, const_expr
 
 from fa4_jax.kernels.utils import acc_as_mn, quad_allreduce_max, quad_allreduce_sum, row_max, row_sum
 
-# Conditional rescaling (FlashAttention-4's tau): a row's stored max moves only when a block's max
-# exceeds it by more than this (log2 units), so P < 2^RESCALE_LOG2 -- far inside bf16 / fp16 -- and
-# most blocks of a long row skip O's rescale.
-RESCALE_LOG2 = 8.0
-
 
 @dataclass(frozen=True)  # frozen: usable inside a kernel's dynamic tile loop (see tile_scheduler.py)
 class OnlineSoftmax:
@@ -93,51 +88,6 @@ class OnlineSoftmax:
         else:
             scale[r] = cute.math.exp2(prev - cur_safe, fastmath=True)
             self.row_sum[r] = row_sum(p, self.row_sum[r] * scale[r])
-
-    @cute.jit
-    def step_conditional(self, acc_S: cute.Tensor, rows, vote_rows):
-        """step(is_first=False) with conditional rescaling, *without* the running sum (add_row_sums,
-        after P's rounding to 16 bits): returns (scale, rescaled). Unless a row of the warp below
-        `vote_rows` (tile rows holding the tile's sequence: padding or another sequence's queries must
-        not change its numbers) sees a block max more than RESCALE_LOG2 above its stored max, the
-        stored maxes stay, every factor is 1 and `rescaled` is False (warp-uniform), so O's rescale
-        may be skipped. With a stale max a row's largest P is 2^x for a fractional x, not 1: its
-        16-bit rounding no longer cancels between O and a running sum of unrounded P (a near-one-hot
-        row then carries that rounding, 2^-9 of |v| in bf16), hence the sum of the rounded P."""
-        s_mn = acc_as_mn(acc_S)
-        n = cute.size(self.row_max)
-        scale = cute.make_rmem_tensor(self.row_max.layout, Float32)
-        block_max = cute.make_rmem_tensor(self.row_max.layout, Float32)
-        shift = cute.make_rmem_tensor(self.row_max.layout, Float32)
-        grow = Float32(-Float32.inf)
-        for r in cutlass.range_constexpr(n):
-            block_max[r] = quad_allreduce_max(row_max(s_mn[r, None].load(), -Float32.inf)) * self.scale_log2
-            # +inf for a row with no key before (max -inf) and one now; NaN (-inf - -inf) never wins fmax.
-            up = block_max[r] - self.row_max[r]
-            grow = cute.arch.fmax(grow, up if rows[r, 0][0] < vote_rows else -Float32.inf)
-        rescaled = cute.arch.vote_any_sync(grow > RESCALE_LOG2)
-        if rescaled:
-            for r in cutlass.range_constexpr(n):
-                prev = self.row_max[r]
-                cur = cute.arch.fmax(prev, block_max[r])
-                self.row_max[r] = cur
-                cur_safe = 0.0 if cur == -Float32.inf else cur
-                shift[r] = cur_safe
-                scale[r] = cute.math.exp2(prev - cur_safe, fastmath=True)
-        else:
-            for r in cutlass.range_constexpr(n):
-                shift[r] = 0.0 if self.row_max[r] == -Float32.inf else self.row_max[r]
-                scale[r] = 1.0
-        for r in cutlass.range_constexpr(n):
-            s_mn[r, None].store(cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - shift[r], fastmath=True))
-        return scale, rescaled
-
-    @cute.jit
-    def add_row_sums(self, acc_P: cute.Tensor, scale: cute.Tensor):
-        """row_sum = row_sum * scale + this block's P (step_conditional's deferred sum)."""
-        p_mn = acc_as_mn(acc_P)
-        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            self.row_sum[r] = row_sum(p_mn[r, None].load(), self.row_sum[r] * scale[r])
 
     @cute.jit
     def finalize(self, sink_log2) -> cute.Tensor:

@@ -11,8 +11,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import warpgroup
 
-from fa4_jax.kernels.warp_ptx import bf16x2_to_f32x2
-
 
 def permute_modes(t: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of `t` with its modes reordered (no data movement)."""
@@ -157,22 +155,6 @@ def pack_f32x2(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> In
     return Int32(llvm.inline_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
                                  f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=False,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def store_16bit_rounded(dst: cute.Tensor, src: cute.Tensor):
-    """store_16bit, and src's float32 values replaced by what dst holds (bf16: exact, two integer ops
-    per pair), so that sums over src are sums of the 16-bit values the next gemm reads. fp16 dst:
-    store_16bit alone (src unchanged)."""
-    dst32 = cute.recast_tensor(dst, Int32)
-    bf16 = const_expr(dst.element_type is cutlass.BFloat16)
-    for i in cutlass.range_constexpr(cute.size(dst32)):
-        w = pack_f32x2(src[2 * i], src[2 * i + 1], bf16)
-        dst32[i] = w
-        if const_expr(bf16):
-            lo, hi = bf16x2_to_f32x2(w)
-            src[2 * i] = lo
-            src[2 * i + 1] = hi
 
 
 @cute.jit

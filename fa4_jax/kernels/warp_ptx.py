@@ -66,17 +66,6 @@ def prmt(a, b, selector: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def bf16x2_to_f32x2(word, *, loc=None, ip=None):
-    """The two bfloat16 halves of a 32-bit register as float32 (lo, hi): exact, two integer ops (a
-    bfloat16 is a float32's upper half)."""
-    res = llvm.inline_asm(
-        _struct(2, T.f32()), [_i32(word, loc, ip)],
-        "{ .reg .b32 t0, t1; shl.b32 t0, $2, 16; and.b32 t1, $2, 0xffff0000; mov.b32 $0, t0; mov.b32 $1, t1; }",
-        "=f,=f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
-@dsl_user_op
 def movmatrix_trans(x, *, loc=None, ip=None) -> Int32:
     """The warp's 8 x 8 matrix of 16-bit elements (lane l holds row l / 4, columns 2 (l % 4) and
     2 (l % 4) + 1, the lower column in the lower half: an mma accumulator's layout) transposed, in the
