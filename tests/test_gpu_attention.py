@@ -201,11 +201,12 @@ def test_explicit_softmax_scale(built_variants, softmax_scale):
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_running_max_growth(built_variants, dtype_name, head_dim, causal, growth):
     """Scores that rise key block after key block in the order the kernel visits them (the highest
-    block first): every 128 keys the row max gains `growth` in log2 units on top of normal scores, so
-    O and the running sum are rescaled on most blocks (at 0.5 by factors near 1, at 40 by ~2^-40), where
-    random scores stop finding a new max after a few blocks and the rescale is skipped (a warp whose
-    rows found none skips it). Near-one-hot rows: a stale max (a rescale threshold above 0, as
-    FlashAttention-4's tau = 8) rounds the dominant P and fails this at hd256."""
+    block first): every 128 keys the row max gains `growth` log2 units on top of normal scores, so
+    the running max moves on every block (random scores stop moving it after a few) and O and the
+    running sum are rescaled each time -- by factors near 1 at 0.5, by ~2^-40 at 40 -- and the rows
+    end near one-hot, where P's rounding shows: a rescale threshold above 0 (FlashAttention-4's
+    tau = 8; docs/PERF.md, 2026-12-06 twelfth session) leaves the dominant P a rounded 2^x and failed
+    this at bf16 hd256."""
     _require(built_variants, dtype_name, head_dim, causal)
     dtype = DTYPES[dtype_name]
     b, s_q, s_k, h = 1, 777, 1500, 4
@@ -221,8 +222,8 @@ def test_running_max_growth(built_variants, dtype_name, head_dim, causal, growth
         _poison_allocator(((b, s_q, h, head_dim), dtype), ((b, h, s_q), jnp.float32))
         ours, xla, ref = fn(q, k, v, None)
         no_key = ~np.asarray(visible_mask(s_q, s_k, (-1, -1), causal)).any(axis=1)
-        check_against_reference(ours, xla, ref, what=f"{dtype_name} hd{head_dim} causal={causal} rise {growth} run {run}",
-                                no_key=no_key)
+        what = f"{dtype_name} hd{head_dim} causal={causal} rise {growth} run {run}"
+        check_against_reference(ours, xla, ref, what=what, no_key=no_key)
 
 
 # --------------------------------------------------------------------------------------------------
