@@ -6,6 +6,11 @@
     python examples/benchmark.py --hd 128 --seqlens 1k,8k --causal 1 --json out.json
     python examples/benchmark.py --seqlens 1k,4k,8k,16k --dtype bf16 --json docs/prefill_h200.json --plot docs/prefill_h200.png
     python examples/benchmark.py --from-json docs/prefill_h200.json --plot docs/prefill_h200.png   # re-plot, no GPU
+    python examples/benchmark.py --hd 64,96,128,192,256 --seqlens 1k,4k,16k   # + issue 18's consistency lines
+
+After the table (and with --from-json) it prints issue 18's consistency lines: fa4_jax's fp16 / bf16 TFLOP/s
+over the rows that have both (target: within 3%), and hd96 / hd192 against the mean of their neighbouring
+head dims' rows at the same (causal, seqlen) (target: within 5%).
 
 Setting (the one the project's bar was measured in): 16k tokens per call (batch = 16384 // seqlen),
 heads = 2048 // head_dim, self-attention (seqlen_q = seqlen_k), layout (batch, seqlen, heads, head_dim)
@@ -426,6 +431,39 @@ def table_line(r, dtypes, flash4: bool = False) -> str:
     return line
 
 
+# Issue 18's consistency targets: fp16 within 3% of bf16, and head dims 96 / 192 within 5% of their
+# neighbours' efficiency (TFLOP/s against the mean of the two neighbouring head dims' rows).
+NEIGHBOURS = {96: (64, 128), 192: (128, 256)}
+
+
+def consistency_lines(rows) -> list[str]:
+    """fa4_jax's fp16 / bf16 TFLOP/s over the rows that have both, and hd96 / hd192 against the mean
+    of their neighbours' rows at the same (causal, seqlen), per dtype: min-max and the row of the min."""
+    lines = []
+
+    def span(what, pairs):
+        if pairs:
+            (lo, at), hi = min(pairs), max(p for p, _ in pairs)
+            lines.append(f"{what}: {lo:.3f}-{hi:.3f} over {len(pairs)} rows (min at {at})")
+
+    def where(r):
+        return f"hd{r['head_dim']} {'causal' if r['causal'] else 'full'} {r['seqlen']}"
+
+    span("fa4_jax fp16 / bf16", [(r["fa4_fp16_tflops"] / r["fa4_bf16_tflops"], where(r)) for r in rows
+                                 if r.get("fa4_fp16_tflops") and r.get("fa4_bf16_tflops")])
+    by = {(r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
+    for hd, (lo, hi) in NEIGHBOURS.items():
+        for dtype in ("bf16", "fp16"):
+            key = f"fa4_{dtype}_tflops"
+            pairs = []
+            for (h, causal, seqlen), r in by.items():
+                a, b = by.get((lo, causal, seqlen)), by.get((hi, causal, seqlen))
+                if h == hd and r.get(key) and a and b and a.get(key) and b.get(key):
+                    pairs.append((2 * r[key] / (a[key] + b[key]), where(r)))
+            span(f"fa4_jax {dtype} hd{hd} / mean(hd{lo}, hd{hi})", pairs)
+    return lines
+
+
 def parse_seqlens(text: str) -> list[int]:
     out = []
     for item in text.split(","):
@@ -606,6 +644,8 @@ def main(argv=None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
+        for line in consistency_lines(data["rows"]):
+            print(line)
         write_plot(data["rows"], data["meta"], args.plot)
         return 0
     device, why = kernel_device("fwd")
@@ -635,6 +675,8 @@ def main(argv=None) -> int:
                     print(f"{'':>31}  ^ {note}", flush=True)
     elapsed = time.perf_counter() - t_start
     print(f"\n{len(results)} rows in {elapsed:.0f} s. Ratios > 1 mean fa4_jax is faster (same run, same dtype).")
+    for line in consistency_lines(results):
+        print(line)
 
     meta = dict(header=header_lines(device), flash4=args.flash4.line(), commit=checkout_commit(),
                 device=device.device_kind, jax=jax.__version__,

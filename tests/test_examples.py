@@ -83,6 +83,26 @@ def test_benchmark_plots_a_saved_run(tmp_path):
     assert bad.returncode == 2 and "--from-json needs --plot" in bad.stderr
 
 
+def test_benchmark_consistency_lines():
+    """Issue 18's fp16-vs-bf16 and hd96 / hd192-vs-neighbours summary of a run's rows: ratios, the row
+    of the smallest, and rows without both sides left out."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import benchmark
+
+    rows = [dict(head_dim=hd, causal=c, seqlen=s, fa4_bf16_tflops=tf, fa4_fp16_tflops=tf * f16)
+            for hd, c, s, tf, f16 in [(64, False, 1024, 400.0, 1.0), (128, False, 1024, 600.0, 0.98),
+                                      (96, False, 1024, 450.0, 1.02), (96, False, 4096, 480.0, 1.0),
+                                      (192, True, 1024, 500.0, 0.97), (256, True, 1024, 600.0, 1.0)]]
+    rows.append(dict(head_dim=128, causal=True, seqlen=1024, fa4_bf16_tflops=400.0))  # no fp16 number
+    lines = benchmark.consistency_lines(rows)
+    assert lines[0] == "fa4_jax fp16 / bf16: 0.970-1.020 over 6 rows (min at hd192 causal 1024)", lines
+    # hd96 at 1k against (400 + 600) / 2; its 4k row has no neighbours. hd192 causal 1k against (400 + 600) / 2.
+    assert "fa4_jax bf16 hd96 / mean(hd64, hd128): 0.900-0.900 over 1 rows (min at hd96 full 1024)" in lines
+    assert "fa4_jax bf16 hd192 / mean(hd128, hd256): 1.000-1.000 over 1 rows (min at hd192 causal 1024)" in lines
+    assert not any("fp16 hd192" in line for line in lines), lines  # hd128 causal has no fp16 number
+    assert benchmark.consistency_lines([]) == []
+
+
 def test_benchmark_serving_quick(tmp_path):
     """benchmark_serving.py --quick runs on CPU (XLA reference), checks every row against its float32
     oracle, prints the three tables with their headings and writes the JSON."""
