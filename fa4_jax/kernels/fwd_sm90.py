@@ -73,7 +73,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import phase_times
+from fa4_jax.kernels import experiments, phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -120,6 +120,10 @@ class FlashAttentionForwardSm90:
         # block alone -- the only one that can hold the sequence's end, as n_block_max <=
         # ceil(seqlen_k / tile_n) -- then the others without masks. Else one phase, every block masked.
         self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
+        # Experiment softcap_skip_unit_rescale (_rescale_o): in softcapped tiles of two or more consumer
+        # warpgroups, a warp skips O's multiplies when every running-max factor of its rows is exactly 1.
+        self.skip_unit_rescale = (experiments.enabled("softcap_skip_unit_rescale") and softcap
+                                  and cfg.num_consumer_wg > 1)
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
@@ -1144,7 +1148,7 @@ class FlashAttentionForwardSm90:
 
         # Last PV gemm, for the lowest block.
         if const_expr(cfg.rescale_o_before_gemm):
-            OnlineSoftmax.rescale(acc_O, o_scale)
+            self._rescale_o(acc_O, o_scale)
         self._kv_wait(pipe_v, state)
         if const_expr(self.consumer_widens_v):
             self.dequant(fp8.sV8, state.index, fp8.sV16, tidx, wg,
@@ -1182,7 +1186,7 @@ class FlashAttentionForwardSm90:
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_stage], zero_init=True, wait=-1)
         if const_expr(cfg.rescale_o_before_gemm):
-            OnlineSoftmax.rescale(acc_O, o_scale)
+            self._rescale_o(acc_O, o_scale)
         self._kv_wait(pipe_v, v_state)
         if const_expr(self.consumer_widens_v):
             self.dequant(fp8.sV8, v_state.index, fp8.sV16, tidx, wg, seqlen_k - (n_block + 1) * cfg.tile_n)
@@ -1204,8 +1208,24 @@ class FlashAttentionForwardSm90:
         if const_expr(cfg.rescale_o_before_gemm):
             o_scale.store(scale.load())
         else:
-            OnlineSoftmax.rescale(acc_O, scale)
+            self._rescale_o(acc_O, scale)
         return state
+
+    @cute.jit
+    def _rescale_o(self, acc_O, factors):
+        """O *= a block's running-max factors (after its PV gemm, or before the next one at hd > 128).
+        With self.skip_unit_rescale a warp skips the multiplies when every factor of its rows is
+        exactly 1 (no row found a new max: most blocks of a long row), so the numbers stay bitwise
+        those of the plain rescale. The factors are exp2(old max - new max) <= 1 (0 for a row without
+        keys yet): a warp-uniform vote on the smallest."""
+        if const_expr(self.skip_unit_rescale):
+            low = Float32(-1.0)
+            for r in cutlass.range_constexpr(cute.size(factors)):
+                low = cute.arch.fmax(low, -factors[r])
+            if cute.arch.vote_any_sync(low > -1.0):
+                OnlineSoftmax.rescale(acc_O, factors)
+        else:
+            OnlineSoftmax.rescale(acc_O, factors)
 
     @cute.jit
     def clear_v_rows(self, sV, stage, first_row, tidx, wg):
