@@ -100,16 +100,20 @@ def _triple(causal: bool, softmax_scale: float | None, window_size=(-1, -1), sof
 
 
 def run_case(built_variants, *, dtype_name, head_dim, causal, b, s_q, s_k, h_q, h_k, seed=0,
-             softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=False):
+             softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=False, shape_inputs=None, label=""):
+    """The kernel, the XLA path and the fp32 oracle on fresh inputs, twice; `shape_inputs(q, k, v)`
+    may reshape the random inputs' statistics first (e.g. scores that rise block after block)."""
     _require(built_variants, dtype_name, head_dim, causal, window_size, softcap)
     dtype = DTYPES[dtype_name]
     fn = _triple(causal, softmax_scale, tuple(window_size), softcap)
     what = (f"{dtype_name} hd{head_dim} causal={causal} window={window_size} softcap={softcap} sinks={sinks} "
-            f"b={b} s_q={s_q} s_k={s_k} h={h_q}/{h_k}")
+            f"b={b} s_q={s_q} s_k={s_k} h={h_q}/{h_k}{label}")
     no_key = ~np.asarray(visible_mask(s_q, s_k, window_size, causal)).any(axis=1)
     # Twice with fresh inputs: a tile the kernel never writes would keep the first run's values.
     for run in range(2):
         q, k, v = _inputs(seed * 2 + run + 1, b, s_q, s_k, h_q, h_k, head_dim, dtype)
+        if shape_inputs is not None:
+            q, k, v = shape_inputs(q, k, v)
         # Sink logits around the scores' scale (|s| ~ 1-3): they change every row's normalisation.
         sk = jax.random.normal(jax.random.key(seed * 2 + run + 99), (h_q,), jnp.float32) * 2 if sinks else None
         _poison_allocator(((b, s_q, h_q, head_dim), dtype), ((b, h_q, s_q), jnp.float32))
@@ -207,23 +211,17 @@ def test_running_max_growth(built_variants, dtype_name, head_dim, causal, growth
     end near one-hot, where P's rounding shows: a rescale threshold above 0 (FlashAttention-4's
     tau = 8; docs/PERF.md, 2026-12-06 twelfth session) leaves the dominant P a rounded 2^x and failed
     this at bf16 hd256."""
-    _require(built_variants, dtype_name, head_dim, causal)
-    dtype = DTYPES[dtype_name]
-    b, s_q, s_k, h = 1, 777, 1500, 4
-    scale = 1.0 / math.sqrt(head_dim)
-    fn = _triple(causal, None)
-    for run in range(2):
-        q, k, v = _inputs(31 + run, b, s_q, s_k, h, h, head_dim, dtype)
-        # Column 0: q = 1, k = a ramp falling with the key index, so key j scores
-        # growth * (s_k - j) / 128 (log2 units) above its normal part.
-        ramp = growth * (s_k - jnp.arange(s_k, dtype=jnp.float32)) / (128 * scale * math.log2(math.e))
-        q = q.at[..., 0].set(1)
-        k = k.at[..., 0].set(jnp.broadcast_to(ramp[None, :, None], (b, s_k, h)).astype(dtype))
-        _poison_allocator(((b, s_q, h, head_dim), dtype), ((b, h, s_q), jnp.float32))
-        ours, xla, ref = fn(q, k, v, None)
-        no_key = ~np.asarray(visible_mask(s_q, s_k, (-1, -1), causal)).any(axis=1)
-        what = f"{dtype_name} hd{head_dim} causal={causal} rise {growth} run {run}"
-        check_against_reference(ours, xla, ref, what=what, no_key=no_key)
+    s_k = 1500
+    # Column 0: q = 1, k = a ramp falling with the key index, so key j scores
+    # growth * (s_k - j) / 128 (log2 units) above its normal part.
+    ramp = growth * (s_k - jnp.arange(s_k, dtype=jnp.float32)) / (128 * math.log2(math.e) / math.sqrt(head_dim))
+
+    def rising(q, k, v):
+        k0 = jnp.broadcast_to(ramp[None, :, None], k.shape[:3]).astype(k.dtype)
+        return q.at[..., 0].set(1), k.at[..., 0].set(k0), v
+
+    run_case(built_variants, dtype_name=dtype_name, head_dim=head_dim, causal=causal, b=1, s_q=777, s_k=s_k, h_q=4,
+             h_k=4, seed=15, shape_inputs=rising, label=f" rise {growth}")
 
 
 # --------------------------------------------------------------------------------------------------
