@@ -5,9 +5,13 @@ beside cuDNN, and update_kvcache paged vs contiguous, as device time (LOOP depen
 jitted, unrolled fori_loop: a rolled loop adds its own per-iteration cost, docs/BENCHMARKING.md).
 
     python3 tools/paged_overhead.py [--rounds 3] [--splits 1,2,4,8] [--head-dims 64,128]
+    python3 tools/paged_overhead.py --head-dims 64 --lengths generate --cold-mb 200 --splits 1,2,3,4
 
 Shape: examples/generate.py's 1b decode -- batch 8, 32/8 heads, 1500-2200 valid keys per row in a
-4096-key cache, page 64 (and 16, 1); every row is checked against a float32 oracle first. cuDNN gets
+4096-key cache, page 64 (and 16, 1); every row is checked against a float32 oracle first. `--lengths`
+sets the rows' lengths instead (`generate`: the 1b config's prompts 64 steps into its decode, lengths
+64-2048 as the model's step sees them); `--cold-mb` cycles cache sets of that many MB through the loop
+so that each call reads its K/V from HBM, as each layer of the model does (L2-warm otherwise). cuDNN gets
 what generate.py gives it: the contiguous cache with key_value_seq_lengths. Rounds alternate the
 programs; the minimum over rounds is printed, with each column's ratio to the contiguous automatic one.
 """
@@ -29,6 +33,19 @@ from benchmark_decode import LOOP, looped, masked_oracle  # noqa: E402  (LOOP ca
 import fa4_jax  # noqa: E402
 
 B, H_Q, H_K, CAP = 8, 32, 8, 4096
+# examples/generate.py's "1b" prompts, 64 of its 128 decode steps in.
+GENERATE_LENGTHS = tuple(n + 64 for n in (2048, 1537, 1024, 777, 2000, 64, 1500, 1999))
+
+
+def cycled(step, n_sets: int):
+    """LOOP dependent calls of step(q, k, v, *rest), call i on cache set i % n_sets (k, v: stacked sets)."""
+    def run(q, ks, vs, *rest):
+        carry = jnp.float32(0)
+        for i in range(LOOP):
+            o = step(q + carry.astype(q.dtype) * 0, ks[i % n_sets], vs[i % n_sets], *rest)
+            carry = carry + o.reshape(-1)[0].astype(jnp.float32)
+        return carry
+    return jax.jit(run)
 
 
 def updates(paged: bool):
@@ -46,12 +63,25 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="1,2,4,8", help="forced split counts timed beside the automatic one")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--pages", default="64,16,1")
+    ap.add_argument("--lengths", default=None,
+                    help="the rows' lengths, comma-separated (8 of them), or 'generate' (default: 1500-2200 drawn)")
+    ap.add_argument("--cold-mb", type=float, default=0, metavar="MB",
+                    help="cycle cache sets of this many MB in all through the loop (K/V from HBM)")
     args = ap.parse_args(argv)
     tp = dict(batches=3, target_batch_s=0.03)
     rng = np.random.default_rng(0)
     for d in (int(x) for x in args.head_dims.split(",")):
         bf = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32), jnp.bfloat16)  # noqa: E731
-        lens = jnp.asarray(rng.integers(1500, 2200, B), jnp.int32)
+        if args.lengths is None:
+            lens = jnp.asarray(rng.integers(1500, 2200, B), jnp.int32)
+        else:
+            given = GENERATE_LENGTHS if args.lengths == "generate" else tuple(int(x) for x in args.lengths.split(","))
+            if len(given) != B or not all(1 <= n <= CAP for n in given):
+                raise SystemExit(f"--lengths needs {B} lengths in [1, {CAP}]; got {given}")
+            lens = jnp.asarray(given, jnp.int32)
+        # Cache sets cycled through the loop: set 0 is the checked one; the others are its copies
+        # rolled along the batch (the same lengths' work, other bytes).
+        n_sets = min(LOOP, max(1, -(-int(args.cold_mb * 1e6) // (2 * B * CAP * H_K * d * 2))))
         q, k_new = bf(B, 1, H_Q, d), bf(B, 1, H_K, d)
         kc, vc = bf(B, CAP, H_K, d), bf(B, CAP, H_K, d)
         ref = masked_oracle(q, kc, vc, lens)
@@ -64,11 +94,20 @@ def main(argv=None) -> int:
             return lambda q, k, v, n: fa4_jax.attention_with_kvcache(q, k, v, n, causal=True, num_splits=splits,
                                                                     implementation="fa4")
 
+        stacked = {}
+
         def add(name, step, call_args):
             err = float(jnp.abs(jax.jit(step)(*call_args).astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
             if err > REL_ERR_LIMIT:
                 raise SystemExit(f"d{d} {name}: WRONG (rel err {err:.3g})")
-            progs[name] = (looped(step), call_args)
+            if n_sets == 1:
+                progs[name] = (looped(step), call_args)
+            else:
+                q_, k_, v_, *rest = call_args
+                if id(k_) not in stacked:
+                    stacked[id(k_)] = [jnp.stack([jnp.roll(x, i, axis=0) for i in range(n_sets)]) for x in (k_, v_)]
+                sets = stacked[id(k_)]
+                progs[name] = (cycled(step, n_sets), (q_, *sets, *rest))
 
         add("cuDNN", lambda q, k, v, n: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=n, implementation="cudnn"), (q, kc, vc, lens))
@@ -96,7 +135,8 @@ def main(argv=None) -> int:
                 times[name].append(time_per_call(f, [a], **tp) / LOOP * 1e6)
         best = {name: min(t) for name, t in times.items()}
         base = best["contig sauto"]
-        print(f"\nb{B} h{H_Q}/{H_K} d{d}, lens {np.asarray(lens).tolist()}, cap {CAP}: us per call "
+        where = "L2-warm" if n_sets == 1 else f"{n_sets} cache sets cycled (K/V from HBM)"
+        print(f"\nb{B} h{H_Q}/{H_K} d{d}, lens {np.asarray(lens).tolist()}, cap {CAP}, {where}: us per call "
               f"(min of {args.rounds} rounds; ratio to contiguous auto)")
         for name, t in best.items():
             print(f"  {name:>16} {t:8.2f}  {t / base:6.3f}  (rounds {', '.join(f'{x:.2f}' for x in times[name])})",
