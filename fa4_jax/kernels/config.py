@@ -180,6 +180,13 @@ class Sm90FwdConfig:
             # warpgroup of 64 rows, two CTAs per SM (128 launch registers each: 232 consumer / 24
             # producer), 128-key blocks, 2 stages (81 KB with O's buffer, two per SM).
             return cls(hd, 64, 128, 2, 232, 24, False, False, ctas_per_sm=2)
+        if 64 < hd <= 96 and v.mask == "full":
+            # hd64's tile at hd96 for full attention: 192 rows over three consumer warpgroups of 160
+            # registers, so each K/V block feeds 1.5x the rows (the softmax per block is the same work at
+            # every head dim); 96-key blocks (O 48 + S 48 fp32 per thread: 128-key blocks spilled 48-96
+            # bytes). H100 2026-12-06: full 4k / 16k 0.90 / 0.92x the time of the 128-row tile; causal
+            # stays on it (1k causal took 1.14x on 192 rows: fewer, ragged tiles; docs/PERF.md).
+            return cls(hd, 192, 96, 2, 160, 32, False, True)
         if hd <= 64:
             # Three consumer warpgroups: at hd 64 the softmax (exp) per tile is large relative to the
             # gemms, so more rows per CTA amortise K/V loads and keep the tensor cores fed.

@@ -22,15 +22,10 @@ ENV = "FA4_JAX_EXPERIMENTS"
 # fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time; the tenth session's
 # paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps; the eleventh session's
 # fp8_widen_wg too: Sm90FwdConfig.widen_wg; the twelfth session's conditional_rescale went: no gain
-# at threshold 0 or with sums of the rounded P, and tau 8 alone broke the accuracy rule.)
-KNOWN: dict[str, str] = {
-    # The twelfth session's conditional_rescale at threshold 0 (bitwise the shipped numbers; no gain on
-    # plain rows, FP8 chunks 1.03-1.07x) held 0.964 / 0.968x on the two softcapped prefill rows, as its
-    # tau-8 versions did (0.935-0.974x): the softcapped softmax carries one more FMUL and a MUFU op per
-    # score, so the O multiplies saved may count there alone (issue 18: softcap costs +22%).
-    "softcap_skip_unit_rescale": "softcapped two-warpgroup tiles: a warp skips O's rescale when every factor of its "
-                                 "rows is exactly 1",
-}
+# at threshold 0 or with sums of the rounded P, and tau 8 alone broke the accuracy rule; the thirteenth
+# session made softcap_skip_unit_rescale (fwd_sm90.skip_unit_rescale) and hd96_three_warpgroups (full
+# attention only: Sm90FwdConfig.for_variant) the defaults.)
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:
