@@ -29,23 +29,13 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from benchmark import REL_ERR_LIMIT, time_per_call  # noqa: E402
 from benchmark_decode import LOOP, looped, masked_oracle  # noqa: E402  (LOOP calls in one unrolled program)
+from split_sweep import looped as cycled  # noqa: E402  (the same, cycling cache sets through the loop)
 
 import fa4_jax  # noqa: E402
 
 B, H_Q, H_K, CAP = 8, 32, 8, 4096
 # examples/generate.py's "1b" prompts, 64 of its 128 decode steps in.
 GENERATE_LENGTHS = tuple(n + 64 for n in (2048, 1537, 1024, 777, 2000, 64, 1500, 1999))
-
-
-def cycled(step, n_sets: int):
-    """LOOP dependent calls of step(q, k, v, *rest), call i on cache set i % n_sets (k, v: stacked sets)."""
-    def run(q, ks, vs, *rest):
-        carry = jnp.float32(0)
-        for i in range(LOOP):
-            o = step(q + carry.astype(q.dtype) * 0, ks[i % n_sets], vs[i % n_sets], *rest)
-            carry = carry + o.reshape(-1)[0].astype(jnp.float32)
-        return carry
-    return jax.jit(run)
 
 
 def updates(paged: bool):
@@ -107,7 +97,7 @@ def main(argv=None) -> int:
                 if id(k_) not in stacked:
                     stacked[id(k_)] = [jnp.stack([jnp.roll(x, i, axis=0) for i in range(n_sets)]) for x in (k_, v_)]
                 sets = stacked[id(k_)]
-                progs[name] = (cycled(step, n_sets), (q_, *sets, *rest))
+                progs[name] = (cycled(step), (q_, *sets, *rest))
 
         add("cuDNN", lambda q, k, v, n: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=n, implementation="cudnn"), (q, kc, vc, lens))

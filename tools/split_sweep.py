@@ -48,13 +48,13 @@ def parse_shape(text: str) -> tuple[int, int, bool]:
 
 
 def looped(step):
-    """LOOP dependent calls of step(q, k, v, lens), call i on cache set i % len(ks): with several sets
-    (--cold-mb) larger than the L2 together, each call reads its K/V from HBM, as each layer of a
-    model's decode step does."""
-    def run(q, ks, vs, lens):
+    """LOOP dependent calls of step(q, k, v, *rest), call i on cache set i % len(ks) (ks, vs: lists or
+    stacked arrays of sets): with several sets (--cold-mb) larger than the L2 together, each call reads
+    its K/V from HBM, as each layer of a model's decode step does."""
+    def run(q, ks, vs, *rest):
         carry = jnp.float32(0)
         for i in range(LOOP):
-            o = step(q + carry.astype(q.dtype) * 0, ks[i % len(ks)], vs[i % len(vs)], lens)
+            o = step(q + carry.astype(q.dtype) * 0, ks[i % len(ks)], vs[i % len(vs)], *rest)
             carry = carry + o.reshape(-1)[0].astype(jnp.float32)
         return carry
     return jax.jit(run)
