@@ -13,8 +13,8 @@ with lengths 37 short of a 128-key block (the tail a KV cache usually has), cont
 pages 16 and 1 on full caches), and softcapped (cap 30) on full caches; a ragged step of 8 x 512-row causal
 prefill chunks on 2k-16k of context, page 64, with and without a softcap (back-to-back calls); varlen 8
 sequences of 2000 keys causal; dense prefill hd128 4k (causal and not), hd64 1k causal, and hd128 / hd256 8k
-causal, hd128 4k and hd64 4k softcapped (cap 30) beside plain, hd64 1k / 8k and hd128 16k full, hd96 1k causal,
-4k and 16k full, 4k causal; FP8 caches:
+causal, hd128 4k and hd64 4k softcapped (cap 30) beside plain, hd64 1k / 8k and hd128 16k full, hd96 1k / 2k /
+4k / 8k / 16k causal and 4k / 16k full; FP8 caches:
 decode hd128 1 x 32k and 8 x 32k, hd64 8 x 32k (contiguous and page 64), the ragged chunk step on an FP8 page
 pool and 4 x 512-row chunks on 8k of a contiguous FP8 cache. Prints, per row, the median over rounds of each
 library's time and its ratio to the first library's.
@@ -163,7 +163,8 @@ def _child() -> dict:
                                (64, 1024, False, 0.0), (64, 8192, False, 0.0), (128, 16384, False, 0.0),
                                # hd96 against its neighbours (issue 18: within 5% of their efficiency)
                                (96, 1024, True, 0.0), (96, 4096, False, 0.0), (96, 4096, True, 0.0),
-                               (96, 16384, False, 0.0)]:
+                               (96, 16384, False, 0.0), (96, 2048, True, 0.0), (96, 8192, True, 0.0),
+                               (96, 16384, True, 0.0)]:
         b, h = 16384 // s, 2048 // hd
         ks = jax.random.split(jax.random.key(hd + s), 3)
         q, k, v = (normal(kk, (b, s, h, hd)) for kk in ks)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.kernels import experiments
 from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
@@ -181,8 +180,8 @@ class Sm90FwdConfig:
             # warpgroup of 64 rows, two CTAs per SM (128 launch registers each: 232 consumer / 24
             # producer), 128-key blocks, 2 stages (81 KB with O's buffer, two per SM).
             return cls(hd, 64, 128, 2, 232, 24, False, False, ctas_per_sm=2)
-        if 64 < hd <= 96 and v.mask == "full" and experiments.enabled("hd96_three_warpgroups"):
-            # Experiment: hd64's tile at hd96 for full attention: 192 rows over three consumer warpgroups of 160
+        if 64 < hd <= 96 and v.mask == "full":
+            # hd64's tile at hd96 for full attention: 192 rows over three consumer warpgroups of 160
             # registers, so each K/V block feeds 1.5x the rows (the softmax per block is the same work at
             # every head dim); 96-key blocks (O 48 + S 48 fp32 per thread: 128-key blocks spilled 48-96
             # bytes). H100 2026-12-06: full 4k / 16k 0.90 / 0.92x the time of the 128-row tile; causal

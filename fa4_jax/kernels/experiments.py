@@ -22,18 +22,10 @@ ENV = "FA4_JAX_EXPERIMENTS"
 # fp8_chunk_n64 went too: no gain, and 1.17-1.19x the time; the tenth session's
 # paged_copies_by_warpgroup became the default: Sm90FwdConfig.copy_warps; the eleventh session's
 # fp8_widen_wg too: Sm90FwdConfig.widen_wg; the twelfth session's conditional_rescale went: no gain
-# at threshold 0 or with sums of the rounded P, and tau 8 alone broke the accuracy rule.)
-KNOWN: dict[str, str] = {
-    # Both measured well on an H100 (2026-12-06, thirteenth session, docs/PERF.md) and wait only for the
-    # full GPU suite on a library built with them (no device started for it that session): then make
-    # them the defaults and remove them from here.
-    # Softcapped hd128 prefill and chunk rows 0.94-0.97x the time in two calls; bitwise the same numbers.
-    "softcap_skip_unit_rescale": "softcapped two-warpgroup tiles: a warp skips O's rescale when every factor of its "
-                                 "rows is exactly 1",
-    # hd96 full 4k / 16k 0.90 / 0.92x the time (1k causal lost 14% on 192 rows: full attention only).
-    "hd96_three_warpgroups": "dense and varlen hd96 full attention on 192 x 96 tiles over three consumer warpgroups "
-                             "(hd64's tile)",
-}
+# at threshold 0 or with sums of the rounded P, and tau 8 alone broke the accuracy rule; the thirteenth
+# session made softcap_skip_unit_rescale (fwd_sm90.skip_unit_rescale) and hd96_three_warpgroups (full
+# attention only: Sm90FwdConfig.for_variant) the defaults.)
+KNOWN: dict[str, str] = {}
 
 
 def active() -> tuple[str, ...]:

@@ -73,7 +73,7 @@ from fa4_jax.kernels.fp8_decode_layout import merge_smem_bytes
 from fa4_jax.kernels.loaders import PAGE_ROWS, PAGE_ROWS_CHOICES, KVLoader, gather_packed_q, sequence_rows
 from fa4_jax.kernels.loaders import row_thread_layout, tma_tile_copy
 from fa4_jax.kernels.mask import ScoreMask
-from fa4_jax.kernels import experiments, phase_times
+from fa4_jax.kernels import phase_times
 from fa4_jax.kernels.named_barrier import NamedBarrierFwd
 from fa4_jax.kernels.seams import Epilogue, FwdSeams, KVLoad, QLoad, Scheduler, Seqlens
 from fa4_jax.kernels.seqlen import SeqlenInfo
@@ -120,12 +120,11 @@ class FlashAttentionForwardSm90:
         # block alone -- the only one that can hold the sequence's end, as n_block_max <=
         # ceil(seqlen_k / tile_n) -- then the others without masks. Else one phase, every block masked.
         self.widen_phases = ((0, True), (1, False)) if cfg.producer_widens_k else ((0, True),)
-        # Experiment softcap_skip_unit_rescale (_rescale_o): softcapped tiles of two or more consumer
-        # warpgroups skip O's rescale in a warp whose rows all kept their max: bitwise the same
-        # numbers; the softcapped softmax's extra MUFU op per score makes the saved multiplies count
-        # there (H100 2026-12-06: softcapped prefill and chunk rows 0.94-0.97x the time in two calls).
-        self.skip_unit_rescale = (experiments.enabled("softcap_skip_unit_rescale") and softcap
-                                  and cfg.num_consumer_wg > 1)
+        # Softcapped tiles of two or more consumer warpgroups skip O's rescale in a warp whose rows all
+        # kept their max (_rescale_o): bitwise the same numbers; the softcapped softmax's extra MUFU op
+        # per score makes the saved multiplies count there (H100 2026-12-06: softcapped prefill and
+        # chunk rows 0.94-0.97x the time in two calls; plain rows gained nothing, docs/PERF.md).
+        self.skip_unit_rescale = softcap and cfg.num_consumer_wg > 1
         self.cfg = cfg
         self.mask = mask  # "full" | "causal" | "local" (see block_info.py)
         self.softcap = softcap
