@@ -11,6 +11,8 @@
 #include "fa4_fwd.inc"  // generated: Params, Key, kVariants, Call, Resolved, the binding
 
 #include <algorithm>
+#include <cstddef>
+#include <iterator>
 #include <limits>
 #include <string>
 
@@ -55,13 +57,16 @@ ffi::Error Resolve(const Call &c, Resolved &r) {
   DeviceInfo dev;
   const Mask mask = MaskKindOf<Mask>(c.window_left, c.window_right);
   Key key{0, dtype, static_cast<int>(d), mask, c.softcap > 0, 0};
-  // Short causal problems take the short-problem tile where the library has one for this device
-  // (spec.SHORT_TILE_*: hd64 on sm90); everything else the head dim's default tile.
-  if (mask == Mask::kCausal && std::max(s_q, s_k) <= kShortTileMaxSeqlen) {
+  // Short causal problems take their head dim's short-problem tile where the library has one for
+  // this device and max(s_q, s_k) is within the tile's bound (spec.SHORT_TILES: hd64 and hd96 on
+  // sm90); everything else the head dim's default tile.
+  for (size_t i = 0; i < std::size(kShortTileHeadDims); ++i) {
+    if (mask != Mask::kCausal || d != kShortTileHeadDims[i] || std::max(s_q, s_k) > kShortTileMaxSeqlens[i])
+      continue;
     if (ffi::Error err = QueryDevice(kTarget, dev); err.failure()) return err;
     Key short_key = key;
     short_key.arch = dev.cc;
-    short_key.tile_m = static_cast<int>(kShortTileM);
+    short_key.tile_m = static_cast<int>(kShortTileMs[i]);
     if (Find(short_key) != nullptr) key.tile_m = short_key.tile_m;
   }
   if (ffi::Error err = PickVariant(key, dev, r); err.failure()) return err;

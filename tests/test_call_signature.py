@@ -118,7 +118,9 @@ def test_generated_constants_match_the_family():
     for fam in FAMILIES:
         inc = codegen.generate_family_inc(fam, list(fam.default_menu())[:1], "test")
         for name, value in fam.call.constants:
-            assert re.search(rf"inline constexpr int64_t k{codegen.camel(name)} = {value};", inc), (fam.name, name)
+            text = "{" + ", ".join(map(str, value)) + "}" if isinstance(value, tuple) else str(value)
+            decl = f"inline constexpr int64_t k{codegen.camel(name)}{'[]' if isinstance(value, tuple) else ''} = {text};"
+            assert decl in inc, (fam.name, name, decl)
     shared = codegen.generate_shared_inc("test")
     from fa4_jax.core.validation import MAX_SOFTCAP, MAX_SOFTMAX_SCALE
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 import fa4_jax
 from fa4_jax.families import FWD, FwdVariant, default_menu, mask_kind
-from fa4_jax.ops.fwd.spec import SHORT_TILE_M
+from fa4_jax.ops.fwd.spec import SHORT_TILES
 from accuracy import check_against_reference, poison_allocator as _poison_allocator
 from gpu_menu import device_arch, require_variant, validated
 from oracle import attention_oracle, visible_mask
@@ -162,7 +162,7 @@ SEQLENS = [
 
 @pytest.mark.parametrize("s_q,s_k", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["hd64", "hd128", "hd256"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256], ids=["hd64", "hd96", "hd128", "hd256"])
 def test_seqlen_sweep(built_variants, head_dim, causal, s_q, s_k):
     long = max(s_q, s_k) > 2048
     run_case(built_variants, dtype_name="bf16", head_dim=head_dim, causal=causal,
@@ -171,8 +171,9 @@ def test_seqlen_sweep(built_variants, head_dim, causal, s_q, s_k):
 
 @pytest.mark.parametrize("s_q,s_k", [(4097, 4097), (1000, 128), (1, 4097)], ids=["4097", "1000x128", "1x4097"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_seqlen_sweep_fp16(built_variants, causal, s_q, s_k):
-    run_case(built_variants, dtype_name="fp16", head_dim=128, causal=causal, b=1, s_q=s_q, s_k=s_k, h_q=4, h_k=2)
+@pytest.mark.parametrize("head_dim", [96, 128], ids=["hd96", "hd128"])
+def test_seqlen_sweep_fp16(built_variants, head_dim, causal, s_q, s_k):
+    run_case(built_variants, dtype_name="fp16", head_dim=head_dim, causal=causal, b=1, s_q=s_q, s_k=s_k, h_q=4, h_k=2)
 
 
 # MHA, GQA 4:1, MQA, and ratios that are not powers of two (3:1, 5:1) or odd head counts.
@@ -349,6 +350,8 @@ HANDOUT_CASES = {
     "hd256_full_b3_s1200": dict(head_dim=256, causal=False, b=3, s_q=1200, s_k=999, h_q=16, h_k=16),
     "hd128_causal_b4_s3000": dict(head_dim=128, causal=True, b=4, s_q=3000, s_k=3000, h_q=16, h_k=4),
     "hd64_causal_b2_s2500": dict(head_dim=64, causal=True, b=2, s_q=2500, s_k=1900, h_q=12, h_k=12),
+    # hd96's 192-row causal tile (past SHORT_TILES' 2k): s_q > s_k leaves the first 267 rows empty.
+    "hd96_causal_b2_s2600": dict(head_dim=96, causal=True, b=2, s_q=2600, s_k=2333, h_q=12, h_k=4),
     "hd96_window_b3_s4000": dict(head_dim=96, causal=False, window_size=(1700, 300), b=3, s_q=4000, s_k=4000,
                                  h_q=8, h_k=2),
     "hd128_causal_few_tiles": dict(head_dim=128, causal=True, b=1, s_q=300, s_k=700, h_q=2, h_k=1),
@@ -676,40 +679,45 @@ def test_module_load_failure_is_reported_and_recoverable(built_variants):
 
 
 SHORT_TILE_SCRIPT = """
-import jax, jax.numpy as jnp, fa4_jax
-from fa4_jax.ops.fwd.spec import SHORT_TILE_MAX_SEQLEN as N
-def run(s_q, s_k, causal=True, hd=64):
+import os, jax, jax.numpy as jnp, fa4_jax
+from fa4_jax.ops.fwd.spec import SHORT_TILES
+hd = int(os.environ["SHORT_HD"])
+tile_m, N = SHORT_TILES[hd]
+def run(s_q, s_k, causal=True, hd=hd):
     ks = jax.random.split(jax.random.key(s_q * 7 + s_k), 3)
     q = jax.random.normal(ks[0], (1, s_q, 2, hd), jnp.float32).astype(jnp.bfloat16)
     k, v = (jax.random.normal(kk, (1, s_k, 2, hd), jnp.float32).astype(jnp.bfloat16) for kk in ks[1:])
     return jax.block_until_ready(fa4_jax.attention(q, k, v, causal=causal, implementation="fa4"))
 # Longer than the short tile's bound on either side, full attention, another head dim: the default tile.
-for s_q, s_k, causal, hd in [(N + 1, N + 1, True, 64), (N, N + 1, True, 64), (N + 1, N, True, 64),
-                             (N, N, False, 64), (N, N, True, 128)]:
-    assert bool(jnp.all(jnp.isfinite(run(s_q, s_k, causal, hd).astype(jnp.float32)))), (s_q, s_k, causal, hd)
-# Within it (both sides), causal hd64: the handler takes the short tile, whose load fails here. (A
-# causal 1 x 1 call is full attention to the API: its window is trimmed to the keys.)
-for s_q, s_k in [(N, N), (2, 2), (777, 1000), (1000, 129)]:
+for s_q, s_k, causal, d in [(N + 1, N + 1, True, hd), (N, N + 1, True, hd), (N + 1, N, True, hd),
+                            (N, N, False, hd), (N, N, True, 128)]:
+    assert bool(jnp.all(jnp.isfinite(run(s_q, s_k, causal, d).astype(jnp.float32)))), (s_q, s_k, causal, d)
+# Within it (both sides), causal: the handler takes the short tile, whose load fails here. (A causal
+# 1 x 1 call is full attention to the API: its window is trimmed to the keys.)
+for s_q, s_k in [(N, N), (2, 2), (777, 1000), (1000, 129), (N - 1, N // 2 + 3)]:
     try:
         run(s_q, s_k)
         raise SystemExit(f"expected the short tile at {s_q}x{s_k}")
     except jax.errors.JaxRuntimeError as e:
-        assert "hd64_causal_m64 on device" in str(e) and "simulated by FA4_JAX_FAIL_MODULE_LOAD" in str(e), e
+        assert f"hd{hd}_causal_m{tile_m} on device" in str(e) and "simulated by FA4_JAX_FAIL_MODULE_LOAD" in str(e), e
 print("SHORT_TILE_OK")
 """
 
 
-def test_short_causal_problems_take_the_short_tile(built_variants):
-    """The handler routes causal hd64 problems with max(s_q, s_k) <= SHORT_TILE_MAX_SEQLEN to the
-    64-row tile (FwdVariant.tile_m; its results are checked by every short hd64 causal case above) and
-    everything else to the default tile: shown by making only the short tile's module fail to load."""
-    short = FwdVariant(device_arch(), "bf16", 64, "causal", False, tile_m=SHORT_TILE_M)
+@pytest.mark.parametrize("hd", sorted(SHORT_TILES))
+def test_short_causal_problems_take_the_short_tile(built_variants, hd):
+    """The handler routes causal problems of a head dim with a short-problem tile (SHORT_TILES: hd64's
+    64 rows up to 1k, hd96's 128 rows up to 2k) and max(s_q, s_k) within its bound to that tile
+    (FwdVariant.tile_m; its results are checked by every short causal case above) and everything else
+    to the default tile: shown by making only the short tile's module fail to load."""
+    tile_m, _ = SHORT_TILES[hd]
+    short = FwdVariant(device_arch(), "bf16", hd, "causal", False, tile_m=tile_m)
     if short not in default_menu():
         pytest.skip(f"no short-problem tile on {device_arch()}")
     require_variant(built_variants, short)
-    _require(built_variants, "bf16", 64, True)
-    _require(built_variants, "bf16", 64, False)
+    _require(built_variants, "bf16", hd, True)
+    _require(built_variants, "bf16", hd, False)
     _require(built_variants, "bf16", 128, True)
-    out = _run_subprocess(SHORT_TILE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": "hd64_causal_m64",
+    out = _run_subprocess(SHORT_TILE_SCRIPT, {"FA4_JAX_FAIL_MODULE_LOAD": f"hd{hd}_causal_m{tile_m}", "SHORT_HD": str(hd),
                                               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     assert "SHORT_TILE_OK" in out

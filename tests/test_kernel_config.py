@@ -129,40 +129,61 @@ def test_two_ctas_per_sm_refuse_more_than_half_the_shared_memory():
 
 
 def test_dense_short_tile_variants_and_config():
-    """The dense family's short-problem tile (ops/fwd/spec.py SHORT_TILE_*): a variant field with its own
-    symbol, built for sm90 hd64 causal only, two CTAs of one 64-row consumer warpgroup per SM with a
-    separate O buffer; every other dense variant keeps its head dim's default tile."""
+    """The dense family's short-problem tiles (ops/fwd/spec.py SHORT_TILES): a variant field with its own
+    symbol, built for sm90 causal at hd64 (two CTAs of one 64-row consumer warpgroup per SM with a
+    separate O buffer) and hd96 (hd128's 128-row tile under hd96's default of 192 rows); every other
+    dense variant keeps its head dim's default tile, and the varlen kernels the default tiles except
+    hd96 causal, which keeps 128 rows."""
     from dataclasses import replace
 
     from fa4_jax.families import FwdVariant, VarlenVariant, default_menu
-    from fa4_jax.ops.fwd.spec import SHORT_TILE_M
+    from fa4_jax.ops.fwd.spec import SHORT_TILES
 
+    assert SHORT_TILES == {64: (64, 1024), 96: (128, 2048)}
     menu = default_menu()
     short = [v for v in menu if isinstance(v, FwdVariant) and v.tile_m]
     assert sorted(v.symbol for v in short) == [
         "fa4_fwd_sm90_bf16_hd64_causal_m64", "fa4_fwd_sm90_bf16_hd64_causal_softcap_m64",
-        "fa4_fwd_sm90_fp16_hd64_causal_m64", "fa4_fwd_sm90_fp16_hd64_causal_softcap_m64"]
+        "fa4_fwd_sm90_bf16_hd96_causal_m128", "fa4_fwd_sm90_bf16_hd96_causal_softcap_m128",
+        "fa4_fwd_sm90_fp16_hd64_causal_m64", "fa4_fwd_sm90_fp16_hd64_causal_softcap_m64",
+        "fa4_fwd_sm90_fp16_hd96_causal_m128", "fa4_fwd_sm90_fp16_hd96_causal_softcap_m128"]
     for v in short:
         assert FwdVariant.from_symbol(v.symbol) == v and replace(v, tile_m=0) in menu
     assert FwdVariant.from_symbol("fa4_fwd_sm90_bf16_hd64_causal").tile_m == 0
-    # Only where a short tile exists.
-    with pytest.raises(ValueError, match=r"tile_m 64 is a tile for head_dim \(64,\) and mask \('causal',\) only"):
-        FwdVariant("sm90", "bf16", 128, "causal", False, tile_m=SHORT_TILE_M)
-    with pytest.raises(ValueError, match=r"unsupported tile_m: self.tile_m=128"):
-        FwdVariant("sm90", "bf16", 64, "causal", False, tile_m=128)
-    with pytest.raises(ValueError, match="not a FwdVariant symbol"):
-        FwdVariant.from_symbol("fa4_fwd_sm90_bf16_hd64_full_m64")
-    # The varlen family serves the dense tiles only: its menu is the dense one without the short tiles.
+    # Only where a short tile exists, and only the head dim's own.
+    for hd, tile_m, mask in [(128, 64, "causal"), (64, 128, "causal"), (96, 64, "causal"), (96, 128, "full")]:
+        with pytest.raises(ValueError, match=rf"tile_m {tile_m} is not a short-problem tile of head_dim {hd}, "
+                                             rf"mask {mask} \(short tiles: 64 at head_dim 64, 128 at head_dim 96"):
+            FwdVariant("sm90", "bf16", hd, mask, False, tile_m=tile_m)
+    with pytest.raises(ValueError, match=r"unsupported tile_m: self.tile_m=192"):
+        FwdVariant("sm90", "bf16", 64, "causal", False, tile_m=192)
+    for bad in ("fa4_fwd_sm90_bf16_hd64_full_m64", "fa4_fwd_sm90_bf16_hd96_causal_m64"):
+        with pytest.raises(ValueError, match="not a FwdVariant symbol"):
+            FwdVariant.from_symbol(bad)
+    # The varlen family has no short tiles: its menu is the dense one without them.
     fields5 = lambda v: (v.arch, v.dtype, v.head_dim, v.mask, v.softcap)  # noqa: E731
     varlen = [fields5(v) for v in menu if isinstance(v, VarlenVariant)]
     assert sorted(varlen) == sorted(fields5(v) for v in menu if isinstance(v, FwdVariant) and not v.tile_m)
 
-    cfg = Sm90FwdConfig.for_variant(short[0])
+    hd64 = next(v for v in short if v.head_dim == 64)
+    cfg = Sm90FwdConfig.for_variant(hd64)
     assert (cfg.tile_m, cfg.tile_n, cfg.stages, cfg.num_consumer_wg, cfg.ctas_per_sm) == (64, 128, 2, 1, 2)
     # Launch registers 65536 / (2 x 256) = 128 per thread: the two warpgroups' budgets average to it.
     assert cfg.consumer_regs + cfg.producer_regs == 2 * SM90_REGS // (cfg.ctas_per_sm * cfg.num_threads)
     assert cfg.separate_o and cfg.ctas_per_sm * (cfg.smem_bytes + 1024) <= SM90_SMEM_BYTES + 1024
-    assert Sm90FwdConfig.for_variant(replace(short[0], tile_m=0)).tile_m == 192
+    assert Sm90FwdConfig.for_variant(replace(hd64, tile_m=0)).tile_m == 192
+
+    # hd96: 192 x 96 over three consumer warpgroups for full and long causal problems, hd128's tile for
+    # short causal ones, windows and varlen causal.
+    def tile(v, varlen=False):
+        c = Sm90FwdConfig.for_variant(v, varlen=varlen)
+        return c.tile_m, c.tile_n, c.num_consumer_wg
+
+    hd96 = FwdVariant("sm90", "bf16", 96, "causal", False)
+    hd128 = Sm90FwdConfig.for_variant(replace(hd96, head_dim=128))
+    assert tile(hd96) == tile(replace(hd96, mask="full")) == tile(replace(hd96, mask="full"), True) == (192, 96, 3)
+    assert tile(replace(hd96, tile_m=128)) == tile(hd96, True) == tile(replace(hd96, mask="local")) == (128, 128, 2)
+    assert Sm90FwdConfig.for_variant(replace(hd96, tile_m=128)) == replace(hd128, head_dim=96)
 
 
 @pytest.mark.parametrize("hd", HEAD_DIMS)

@@ -135,7 +135,10 @@ def _call_code(family: KernelFamily) -> list[str]:
     buffers = (*call.operands, *call.results)
     out = ["// ---- the FFI call, from the family's CallSignature", ""]
     for name, value in call.constants:
-        out.append(f"inline constexpr int64_t k{camel(name)} = {int(value)};")
+        if isinstance(value, tuple):
+            out.append(f"inline constexpr int64_t k{camel(name)}[] = {{{', '.join(str(int(x)) for x in value)}}};")
+        else:
+            out.append(f"inline constexpr int64_t k{camel(name)} = {int(value)};")
     out += ["", "// The call as the handler's Resolve sees it: operands, results (workspace included), attributes.",
             "struct Call {", "  cudaStream_t stream;"]
     for b in buffers:

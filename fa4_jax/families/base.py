@@ -143,12 +143,13 @@ class Attr:
 @dataclass(frozen=True)
 class CallSignature:
     """A family's FFI call: operands, results and attributes in ABI order, and the integer constants
-    its Python side and its handler share (generated as C++ `kCamelCase` constants)."""
+    its Python side and its handler share (generated as C++ `kCamelCase` constants; a tuple of ints
+    becomes a constexpr array)."""
 
     operands: tuple[Buffer, ...]
     results: tuple[Buffer, ...]
     attrs: tuple[Attr, ...]
-    constants: tuple[tuple[str, int], ...] = ()
+    constants: tuple[tuple[str, int | tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         names = [b.name for b in (*self.operands, *self.results)] + [a.name for a in self.all_attrs]

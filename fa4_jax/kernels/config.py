@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4_jax.ops.fwd.spec import SHORT_TILE_M, FwdVariant
+from fa4_jax.ops.fwd.spec import FwdVariant
 
 # Hopper allows 227 KB of dynamic shared memory per CTA: an SM has 228 KB, and the hardware reserves
 # 1 KB of it for each resident CTA.
@@ -173,19 +173,22 @@ class Sm90FwdConfig:
         return self._base_smem_bytes + (self.tile_m * self.head_dim * 2 if self.separate_o else 0)
 
     @classmethod
-    def for_variant(cls, v: FwdVariant) -> "Sm90FwdConfig":
+    def for_variant(cls, v: FwdVariant, varlen: bool = False) -> "Sm90FwdConfig":
+        """The tile of a dense variant, or (varlen=True) of the varlen kernel of the same fields."""
         hd = v.head_dim
-        if v.tile_m == SHORT_TILE_M:
-            # FwdVariant's short-problem tile (ops/fwd/spec.py, SHORT_TILE_*: hd64 causal): one consumer
-            # warpgroup of 64 rows, two CTAs per SM (128 launch registers each: 232 consumer / 24
+        if v.tile_m == 64:
+            # hd64's short-problem tile (ops/fwd/spec.py SHORT_TILES: causal, max(s_q, s_k) <= 1024): one
+            # consumer warpgroup of 64 rows, two CTAs per SM (128 launch registers each: 232 consumer / 24
             # producer), 128-key blocks, 2 stages (81 KB with O's buffer, two per SM).
             return cls(hd, 64, 128, 2, 232, 24, False, False, ctas_per_sm=2)
-        if 64 < hd <= 96 and v.mask == "full":
-            # hd64's tile at hd96 for full attention: 192 rows over three consumer warpgroups of 160
-            # registers, so each K/V block feeds 1.5x the rows (the softmax per block is the same work at
-            # every head dim); 96-key blocks (O 48 + S 48 fp32 per thread: 128-key blocks spilled 48-96
-            # bytes). H100 2026-12-06: full 4k / 16k 0.90 / 0.92x the time of the 128-row tile; causal
-            # stays on it (1k causal took 1.14x on 192 rows: fewer, ragged tiles; docs/PERF.md).
+        if 64 < hd <= 96 and v.tile_m == 0 and (v.mask == "full" or (v.mask == "causal" and not varlen)):
+            # hd64's tile at hd96: 192 rows over three consumer warpgroups of 160 registers, so each K/V
+            # block feeds 1.5x the rows (the softmax per block is the same work at every head dim);
+            # 96-key blocks (O 48 + S 48 fp32 per thread: 128-key blocks spilled 48-96 bytes). H100
+            # 2026-12-06: full 4k / 16k 0.90 / 0.90x the time of the 128-row tile, causal 8k / 16k 0.95x.
+            # Causal problems up to 2k keep the 128-row tile (tile_m 128, SHORT_TILES: 192 rows took
+            # 1.115x at 1k causal, fewer and more unequal tiles), and so does varlen causal, which has no
+            # per-call choice of tile and whose sequences are often short; windows keep it too.
             return cls(hd, 192, 96, 2, 160, 32, False, True)
         if hd <= 64:
             # Three consumer warpgroups: at hd 64 the softmax (exp) per tile is large relative to the

@@ -22,7 +22,7 @@ def make_kernel(variant: VarlenVariant):
 
         # The dense kernel's tiles for the same head_dim (varlen is the dense kernel at offsets).
         dense = FwdVariant(variant.arch, variant.dtype, variant.head_dim, variant.mask, variant.softcap)
-        kernel = FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(dense), variant.mask, variant.softcap,
+        kernel = FlashAttentionForwardSm90(Sm90FwdConfig.for_variant(dense, varlen=True), variant.mask, variant.softcap,
                                            FwdSeams.varlen())
         return kernel.call_varlen
     if variant.arch == "sm100":

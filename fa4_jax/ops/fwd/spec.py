@@ -5,6 +5,7 @@ Its C ABI (what `fa4_jax.kernels.fwd` compiles and `ffi/fwd.cc` fills) is descri
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from fa4_jax.families.base import ARCH_CC, DTYPES, Attr, Buffer, CallSignature, Field, KernelFamily, KeyField
@@ -60,15 +61,18 @@ class AttentionVariant(Variant):
         return cls(arch=arch, dtype=dtype, head_dim=parse_hd(hd), mask=mask, softcap=len(parts) == 5)
 
 
-# Short causal problems at head_dim 64 on Hopper: the default tile of 192 query rows leaves 1024 rows
-# as 5 1/3 m-blocks (the last a third full), and its longest tiles make the tail; 64-row tiles at two
-# CTAs per SM divide such sequences and balance (measured 1.15-1.19x at 1k, equal at 1.5k, 0.97x at
-# 2k: docs/PERF.md). The handler takes this tile where the library has it for the device and
-# max(s_q, s_k) is at most SHORT_TILE_MAX_SEQLEN; every other call takes the head dim's default tile
-# (tile_m 0). The default menu builds it for SHORT_TILE_ARCHES only (the SM100 kernel has no such tile).
-SHORT_TILE_M = 64
-SHORT_TILE_MAX_SEQLEN = 1024
-SHORT_TILE_HEAD_DIMS = (64,)
+# Short causal problems on Hopper take a smaller query tile than the head dim's default, where one
+# pays: the default tile's rows per K/V load win on long sequences, but a short causal problem has few
+# of its tiles per sequence, of unequal work, and the longest make the tail.
+# - hd64 (default 192 rows): 64-row tiles at two CTAs per SM divide such sequences and balance
+#   (measured 1.15-1.19x at 1k, equal at 1.5k, 0.97x at 2k: docs/PERF.md).
+# - hd96 (default 192 x 96 over three consumer warpgroups): the 128-row tile of hd128 (the 192-row
+#   tile took 1.115 / 1.023 / 0.986 / 0.948 / 0.947x the 128-row tile's time at 1k / 2k / 4k / 8k /
+#   16k causal, H100 2026-12-06).
+# The handler takes a head dim's short tile where the library has it for the device and max(s_q, s_k)
+# is at most that tile's bound; every other call takes the default tile (tile_m 0). The default menu
+# builds them for SHORT_TILE_ARCHES only (the SM100 kernel has no such tiles).
+SHORT_TILES = {64: (64, 1024), 96: (128, 2048)}  # head_dim -> (tile_m, max(s_q, s_k) it serves)
 SHORT_TILE_MASKS = ("causal",)
 SHORT_TILE_ARCHES = ("sm90",)
 
@@ -76,7 +80,7 @@ SHORT_TILE_ARCHES = ("sm90",)
 @dataclass(frozen=True, order=True)
 class FwdVariant(AttentionVariant):
     """One dense forward kernel: AttentionVariant's fields and the query tile (0: the head dim's
-    default; SHORT_TILE_M: the short-problem tile, above)."""
+    default; else the head dim's short-problem tile, SHORT_TILES above)."""
 
     FAMILY_PREFIX = "fa4_fwd"
 
@@ -84,10 +88,12 @@ class FwdVariant(AttentionVariant):
 
     def __post_init__(self):
         super().__post_init__()
-        self.check_fields({"tile_m": (0, SHORT_TILE_M)})
-        if self.tile_m and (self.head_dim not in SHORT_TILE_HEAD_DIMS or self.mask not in SHORT_TILE_MASKS):
-            raise ValueError(f"tile_m {self.tile_m} is a tile for head_dim {SHORT_TILE_HEAD_DIMS} and mask "
-                             f"{SHORT_TILE_MASKS} only; got head_dim={self.head_dim} mask={self.mask}")
+        self.check_fields({"tile_m": (0, *sorted({m for m, _ in SHORT_TILES.values()}))})
+        short = SHORT_TILES.get(self.head_dim, (0, 0))[0]
+        if self.tile_m and (self.tile_m != short or self.mask not in SHORT_TILE_MASKS):
+            tiles = ", ".join(f"{m} at head_dim {hd}" for hd, (m, _) in SHORT_TILES.items())
+            raise ValueError(f"tile_m {self.tile_m} is not a short-problem tile of head_dim {self.head_dim}, "
+                             f"mask {self.mask} (short tiles: {tiles}; mask {SHORT_TILE_MASKS})")
 
     def _symbol_parts(self):
         parts = super()._symbol_parts()
@@ -95,9 +101,10 @@ class FwdVariant(AttentionVariant):
 
     @classmethod
     def _from_parts(cls, parts):
-        tile = f"m{SHORT_TILE_M}"
-        tile_m = SHORT_TILE_M if parts and parts[-1] == tile else 0
-        base = AttentionVariant._from_parts(parts[:-1] if tile_m else parts)
+        tile_m = 0
+        if parts and re.fullmatch(r"m[0-9]+", parts[-1]):
+            tile_m, parts = int(parts[-1][1:]), parts[:-1]
+        base = AttentionVariant._from_parts(parts)
         return cls(**{f.name: getattr(base, f.name) for f in fields(AttentionVariant)}, tile_m=tile_m)
 
 
@@ -117,10 +124,10 @@ def default_menu() -> tuple[FwdVariant, ...]:
         for softcap in (False, True)
     )
     short = tuple(
-        FwdVariant(arch, dtype, hd, mask, softcap, tile_m=SHORT_TILE_M)
+        FwdVariant(arch, dtype, hd, mask, softcap, tile_m=tile_m)
         for arch in SHORT_TILE_ARCHES
         for dtype in DTYPES
-        for hd in SHORT_TILE_HEAD_DIMS
+        for hd, (tile_m, _) in SHORT_TILES.items()
         for mask in SHORT_TILE_MASKS
         for softcap in (False, True)
     )
@@ -196,7 +203,10 @@ CALL = CallSignature(
         Buffer("lse", "f32", ("b", "h_q", "s_q"), "natural-log units"),
     ),
     attrs=SOFTMAX_ATTRS,
-    constants=(("short_tile_m", SHORT_TILE_M), ("short_tile_max_seqlen", SHORT_TILE_MAX_SEQLEN)),
+    # SHORT_TILES as three parallel arrays for the handler's choice of tile.
+    constants=(("short_tile_head_dims", tuple(SHORT_TILES)),
+               ("short_tile_ms", tuple(m for m, _ in SHORT_TILES.values())),
+               ("short_tile_max_seqlens", tuple(n for _, n in SHORT_TILES.values()))),
 )
 
 FWD = KernelFamily(
