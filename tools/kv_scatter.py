@@ -36,6 +36,7 @@ from jax._src.lib.mlir.dialects import hlo
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import fa4_jax  # noqa: E402
+from fa4_jax.ops.kvcache.api import cache_index  # noqa: E402
 
 B, H_K, CAP, PAGE = 8, 8, 4096, 64
 
@@ -72,16 +73,7 @@ def update_both(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None):
     b, s_new = k_new.shape[:2]
     seq = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, s_new)).reshape(-1)
     pos = (cache_seqlens[:, None] + jnp.arange(s_new, dtype=jnp.int32)[None, :]).reshape(-1)
-    if page_table is None:
-        rows, slots = seq, pos
-        outside = (pos < 0) | (pos >= k_cache.shape[1])
-    else:
-        page_size, max_pages = k_cache.shape[1], page_table.shape[1]
-        page_idx = pos // page_size
-        rows = page_table[seq, jnp.clip(page_idx, 0, max_pages - 1)]
-        slots = pos % page_size
-        outside = (pos < 0) | (page_idx >= max_pages) | (rows < 0) | (rows >= k_cache.shape[0])
-    rows = jnp.where(outside, k_cache.shape[0], rows)  # past the end: dropped
+    rows, slots = cache_index(k_cache.shape, seq, pos, page_table)  # update_kvcache's own indices
     idx = jnp.stack([rows, slots], axis=1).astype(jnp.int32)
     flat = lambda x: x.reshape(b * s_new, *x.shape[2:])  # noqa: E731
     return tuple(update_both_p.bind(k_cache, v_cache, idx, flat(k_new), flat(v_new)))

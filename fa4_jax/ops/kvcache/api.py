@@ -276,16 +276,23 @@ def update_kvcache(k_cache: ArrayLike, v_cache: ArrayLike, k_new: ArrayLike, v_n
 def _scatter(k_cache, v_cache, k_new, v_new, seq, pos, page_table):
     """k_new[i] / v_new[i] written at position pos[i] of sequence seq[i] (any index shape); positions
     outside the cache are dropped."""
+    rows, slots = cache_index(k_cache.shape, seq, pos, page_table)
+    return (k_cache.at[rows, slots].set(k_new, mode="drop"), v_cache.at[rows, slots].set(v_new, mode="drop"))
+
+
+def cache_index(cache_shape, seq, pos, page_table):
+    """(rows, slots): where position pos[i] of sequence seq[i] sits in a cache of cache_shape, contiguous
+    (rows = sequences) or paged (rows = pages of page_table); a position outside the cache gets row
+    cache_shape[0], past the end, which a scatter with mode="drop" skips."""
     if page_table is None:
         rows, slots = seq, pos
-        outside = (pos < 0) | (pos >= k_cache.shape[1])
+        outside = (pos < 0) | (pos >= cache_shape[1])
     else:
-        page_size, max_pages = k_cache.shape[1], page_table.shape[1]
+        page_size, max_pages = cache_shape[1], page_table.shape[1]
         page_idx = pos // page_size
         rows = jnp.asarray(page_table)[seq, jnp.clip(page_idx, 0, max_pages - 1)]
         slots = pos % page_size
-        outside = (pos < 0) | (page_idx >= max_pages) | (rows < 0) | (rows >= k_cache.shape[0])
+        outside = (pos < 0) | (page_idx >= max_pages) | (rows < 0) | (rows >= cache_shape[0])
     # An index past the end is dropped by the scatter (mode="drop"); negative ones would wrap, so
     # every position outside the cache is sent past the end first.
-    rows = jnp.where(outside, k_cache.shape[0], rows)
-    return (k_cache.at[rows, slots].set(k_new, mode="drop"), v_cache.at[rows, slots].set(v_new, mode="drop"))
+    return jnp.where(outside, cache_shape[0], rows), slots
