@@ -75,12 +75,12 @@ CAUSAL_RIGHT = ("        if right > 0:\n            raise ValueError(\n         
 MUTANTS: tuple[Mutant, ...] = (
     # -- surviving until issue 19 ---------------------------------------------------------------
     Mutant("update_page_size_16", K,
-           "page_size, max_pages = k_cache.shape[1], page_table.shape[1]",
+           "page_size, max_pages = cache_shape[1], page_table.shape[1]",
            "page_size, max_pages = 16, page_table.shape[1]",
            ("tests/test_kvcache.py", "-k", "test_update_paged_page_sizes"),
            "update_kvcache assumes pages of 16 tokens"),
     Mutant("update_page_size_16_flax", K,
-           "page_size, max_pages = k_cache.shape[1], page_table.shape[1]",
+           "page_size, max_pages = cache_shape[1], page_table.shape[1]",
            "page_size, max_pages = 16, page_table.shape[1]",
            ("tests/test_flax.py::test_paged_cache_equals_contiguous[64]",),
            "the same, caught by the Flax module's paged cache"),
@@ -149,8 +149,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_kvcache.py", "-k", "test_contiguous_matches_oracle and plain"),
            "the KV-cache length mask lets slot cache_seqlens[b] through"),
     Mutant("update_negative_positions_wrap", K,
-           "outside = (pos < 0) | (pos >= k_cache.shape[1])",
-           "outside = pos >= k_cache.shape[1]",
+           "outside = (pos < 0) | (pos >= cache_shape[1])",
+           "outside = pos >= cache_shape[1]",
            ("tests/test_kvcache.py", "-k", "test_update_drops_positions_outside_the_cache and negative"),
            "update_kvcache writes negative positions (they wrap to the end of the row)"),
     # -- already dying before issue 19 (masking, softcap, sinks, LSE, alignment, varlen offsets) -----
